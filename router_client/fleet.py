@@ -1,0 +1,81 @@
+"""What a policy sees of the fleet at the start of a scheduling round.
+
+The view is a snapshot: policies read it and return assignments; they never mutate it. The
+simulator and the mirrored state of a serving proxy both build it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingRequest:
+    """A prefilled request in the waiting pool.
+
+    ``prompt_tokens`` is ``s_i``: the KV tokens the request adds to a worker's load when it is
+    admitted (its first decode step reads the whole prompt).
+    """
+
+    request_id: int | str
+    prompt_tokens: int
+    arrival_step: int = 0
+    prompt_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """Route pool entry ``pool_index`` (its position in the pool passed to the policy)."""
+
+    pool_index: int
+    worker: int
+    starvation_guard: bool = False
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """The fleet at the start of a round.
+
+    Attributes:
+        capacity: ``B``, the most active requests one worker may hold.
+        loads: ``L_g``, KV tokens each worker reads at its next step (sum of ``s_i + a_i``).
+        active_counts: active requests per worker.
+        active_worker: for each active request, the worker that holds it.
+        active_size: for each active request, ``s_i + a_i`` (its work at the next step).
+        active_c_hat: for each active request, the expected capped remaining life ``c_hat``
+            in steps (fractional allowed), or ``None`` when no prediction is available; BR-H
+            then routes as BR-0.
+    """
+
+    capacity: int
+    loads: np.ndarray
+    active_counts: np.ndarray
+    active_worker: np.ndarray
+    active_size: np.ndarray
+    active_c_hat: np.ndarray | None = None
+
+    @property
+    def workers(self) -> int:
+        return int(self.loads.shape[0])
+
+    @property
+    def free_slots(self) -> np.ndarray:
+        return self.capacity - self.active_counts
+
+    @classmethod
+    def from_active(
+        cls,
+        workers: int,
+        capacity: int,
+        active_worker: np.ndarray,
+        active_size: np.ndarray,
+        active_c_hat: np.ndarray | None = None,
+    ) -> FleetView:
+        """Build a view from per-request arrays (loads and counts are derived)."""
+        active_worker = np.asarray(active_worker, dtype=np.int64)
+        active_size = np.asarray(active_size, dtype=np.float64)
+        loads = np.bincount(active_worker, weights=active_size, minlength=workers)
+        counts = np.bincount(active_worker, minlength=workers).astype(np.int64)
+        return cls(capacity, loads, counts, active_worker, active_size, active_c_hat)

@@ -1,0 +1,109 @@
+"""The F-score of BR-0 and BR-H.
+
+BR-H over the margins ``m_{g,h}`` (h = 0..H) of one worker, with discounts ``d_h = gamma^h``::
+
+    F(D) = alpha * (sum_h d_h) * D  -  beta * sum_h d_h * max(0, D - m_h)
+
+BR-0 is ``H = 0, alpha = 1, beta = G``: ``F(D) = D - G * max(0, D - m)``.
+
+:class:`MarginTable` keeps every worker's margins sorted with prefix sums of ``d`` and
+``d * m`` in that order, so one evaluation is a binary search (``O(log H)``). ``F`` is concave
+in ``D`` (a linear term minus a sum of hinge functions), which subset selection relies on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def br0_score(D: float | np.ndarray, margin: float, workers: int) -> float | np.ndarray:
+    """BR-0's ``F = D - G * max(0, D - m)`` (SPEC.md section 3)."""
+    return D - workers * np.maximum(0.0, np.asarray(D, dtype=np.float64) - margin)
+
+
+def discounts(horizon: int, gamma: float) -> np.ndarray:
+    """``d = (1, gamma, ..., gamma^H)``."""
+    return gamma ** np.arange(horizon + 1, dtype=np.float64)
+
+
+def direct_score(
+    D: float | np.ndarray, margins: np.ndarray, d: np.ndarray, alpha: float, beta: float
+) -> np.ndarray:
+    """F by the O(H) definition; the reference the fast path is tested against."""
+    D = np.asarray(D, dtype=np.float64)
+    over = np.maximum(0.0, D[..., None] - margins)
+    return alpha * d.sum() * D - beta * (over * d).sum(axis=-1)
+
+
+class MarginTable:
+    """Per-worker projected loads, the envelope and sorted margins for fast F evaluation.
+
+    ``loads`` has shape ``(G, H+1)``: worker g's projected load h steps ahead. Admitting
+    ``D`` tokens to a worker adds ``D`` to its whole row and raises the envelope where needed;
+    the sorted structures are rebuilt lazily, in one vectorized pass, when next needed.
+    """
+
+    def __init__(self, loads: np.ndarray, d: np.ndarray, alpha: float, beta: float) -> None:
+        self.loads = np.array(loads, dtype=np.float64, copy=True)
+        if self.loads.ndim != 2 or self.loads.shape[1] != d.shape[0]:
+            raise ValueError("loads must have shape (G, H+1) matching the discounts")
+        self.d = d
+        self.alpha = alpha
+        self.beta = beta
+        self.fill = alpha * float(d.sum())
+        self.envelope = self.loads.max(axis=0)
+        self._dirty = True
+
+    @property
+    def workers(self) -> int:
+        return int(self.loads.shape[0])
+
+    def _rebuild(self) -> None:
+        margins = self.envelope[None, :] - self.loads
+        order = np.argsort(margins, axis=1, kind="stable")
+        self._sorted = np.take_along_axis(margins, order, axis=1)
+        d_sorted = self.d[order]
+        zeros = np.zeros((self.workers, 1))
+        self._cum_d = np.concatenate([zeros, np.cumsum(d_sorted, axis=1)], axis=1)
+        self._cum_dm = np.concatenate(
+            [zeros, np.cumsum(d_sorted * self._sorted, axis=1)], axis=1
+        )
+        self._dirty = False
+
+    def margins(self, worker: int) -> np.ndarray:
+        """Worker's margins ``M_h - L_{g,h}`` in horizon order."""
+        return self.envelope - self.loads[worker]
+
+    def current_margin(self, worker: int) -> float:
+        return float(self.envelope[0] - self.loads[worker, 0])
+
+    def score(self, worker: int, D: float | np.ndarray) -> np.ndarray:
+        """F for admitting ``D`` tokens (scalar or array) to ``worker``; O(log H) each."""
+        if self._dirty:
+            self._rebuild()
+        D = np.asarray(D, dtype=np.float64)
+        k = np.searchsorted(self._sorted[worker], D, side="left")  # margins strictly below D
+        cum_d = self._cum_d[worker]
+        cum_dm = self._cum_dm[worker]
+        return self.fill * D - self.beta * (D * cum_d[k] - cum_dm[k])
+
+    def peak(self, worker: int) -> float:
+        """The ``D`` at which F stops increasing (``inf`` if it never does).
+
+        On the segment after the k smallest margins the slope is
+        ``alpha * sum(d) - beta * cum_d[k]``; F peaks at the first margin past which the slope
+        is no longer positive.
+        """
+        if self._dirty:
+            self._rebuild()
+        slopes = self.fill - self.beta * self._cum_d[worker][1:]
+        nonpositive = np.flatnonzero(slopes <= 0.0)
+        if nonpositive.size == 0:
+            return float("inf")
+        return float(self._sorted[worker][nonpositive[0]])
+
+    def admit(self, worker: int, D: float) -> None:
+        """Add ``D`` tokens to ``worker`` at every horizon step and raise the envelope."""
+        self.loads[worker] += D
+        np.maximum(self.envelope, self.loads[worker], out=self.envelope)
+        self._dirty = True

@@ -1,0 +1,170 @@
+"""Routing policies behind one interface: baselines and BalanceRoute.
+
+Every policy implements :class:`Policy`: ``route(fleet, pool)`` returns the assignments of one
+scheduling round. Baselines take the pool in arrival order and place each request on a worker
+with a free slot until either runs out; they differ only in the worker they pick:
+
+    random  uniformly among workers with a free slot
+    rr      round-robin over workers, skipping full ones
+    jsq     fewest active requests (vLLM's default), ties to the lower index
+    p2c     two distinct workers sampled among those with a free slot; the lower KV-token load
+    ltl     least KV-token load, ties to the lower index
+
+``br0`` and ``brh-*`` are :class:`BalanceRoutePolicy` (two-stage admission). Randomized
+policies own a ``numpy.random.Generator`` seeded at construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from .admission import BalanceRouteParams, RoundStats, route_round
+from .errors import UnknownPolicyError
+from .fleet import Assignment, FleetView, WaitingRequest
+
+
+@dataclass
+class Decision:
+    """The assignments of one round and what the round did."""
+
+    assignments: list[Assignment]
+    stats: RoundStats = field(default_factory=RoundStats)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A routing policy. ``needs_predictions`` says whether it reads ``fleet.active_c_hat``."""
+
+    name: str
+    needs_predictions: bool
+
+    def route(self, fleet: FleetView, pool: list[WaitingRequest]) -> Decision: ...
+
+
+class _PickOnePolicy:
+    """Base of the baselines: FIFO over the pool, one worker choice per request."""
+
+    name = "base"
+    needs_predictions = False
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def pick(self, free: np.ndarray, loads: np.ndarray, counts: np.ndarray) -> int:
+        raise NotImplementedError
+
+    def route(self, fleet: FleetView, pool: list[WaitingRequest]) -> Decision:
+        free = fleet.free_slots.astype(np.int64).copy()
+        loads = fleet.loads.astype(np.float64).copy()
+        counts = fleet.active_counts.astype(np.int64).copy()
+        out: list[Assignment] = []
+        for index, request in enumerate(pool):
+            if not (free > 0).any():
+                break
+            worker = self.pick(free, loads, counts)
+            out.append(Assignment(index, worker))
+            free[worker] -= 1
+            counts[worker] += 1
+            loads[worker] += request.prompt_tokens
+        return Decision(out)
+
+
+class RandomPolicy(_PickOnePolicy):
+    name = "random"
+
+    def pick(self, free: np.ndarray, loads: np.ndarray, counts: np.ndarray) -> int:
+        return int(self.rng.choice(np.flatnonzero(free > 0)))
+
+
+class RoundRobinPolicy(_PickOnePolicy):
+    name = "rr"
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.next_worker = 0
+
+    def pick(self, free: np.ndarray, loads: np.ndarray, counts: np.ndarray) -> int:
+        workers = free.shape[0]
+        for step in range(workers):
+            worker = (self.next_worker + step) % workers
+            if free[worker] > 0:
+                self.next_worker = (worker + 1) % workers
+                return worker
+        raise AssertionError("pick called with no free slot")
+
+
+class JSQPolicy(_PickOnePolicy):
+    name = "jsq"
+
+    def pick(self, free: np.ndarray, loads: np.ndarray, counts: np.ndarray) -> int:
+        return int(np.argmin(np.where(free > 0, counts, np.iinfo(np.int64).max)))
+
+
+class P2CPolicy(_PickOnePolicy):
+    name = "p2c"
+
+    def pick(self, free: np.ndarray, loads: np.ndarray, counts: np.ndarray) -> int:
+        open_workers = np.flatnonzero(free > 0)
+        if open_workers.size == 1:
+            return int(open_workers[0])
+        a, b = self.rng.choice(open_workers, size=2, replace=False)
+        return int(a) if (loads[a], a) <= (loads[b], b) else int(b)
+
+
+class LeastTokenLoadPolicy(_PickOnePolicy):
+    name = "ltl"
+
+    def pick(self, free: np.ndarray, loads: np.ndarray, counts: np.ndarray) -> int:
+        return int(np.argmin(np.where(free > 0, loads, np.inf)))
+
+
+class BalanceRoutePolicy:
+    """BR-H (or BR-0 with ``params.horizon == 0``).
+
+    Without predictions (``fleet.active_c_hat is None``) a BR-H policy routes the round as
+    BR-0 with the same stage settings: the fallback needs no predictor.
+    """
+
+    def __init__(self, name: str, params: BalanceRouteParams) -> None:
+        self.name = name
+        self.params = params
+        self.needs_predictions = params.horizon > 0
+        self._fallback = params.as_br0()
+
+    def route(self, fleet: FleetView, pool: list[WaitingRequest]) -> Decision:
+        params = self.params
+        if params.horizon > 0 and fleet.active_c_hat is None:
+            params = self._fallback
+        assignments, stats = route_round(fleet, pool, params)
+        return Decision(assignments, stats)
+
+
+BASELINES: dict[str, Callable[[int], Policy]] = {
+    "random": RandomPolicy,
+    "rr": RoundRobinPolicy,
+    "jsq": JSQPolicy,
+    "p2c": P2CPolicy,
+    "ltl": LeastTokenLoadPolicy,
+}
+
+
+def make_policy(
+    name: str, seed: int = 0, brh_params: BalanceRouteParams | None = None
+) -> Policy:
+    """The policy called ``name``: a baseline, ``br0``, or ``brh-<estimator>``.
+
+    The estimator part of a ``brh-*`` name is the composition root's business (which predictor
+    feeds ``c_hat``); here every ``brh-*`` is BR-H with ``brh_params``.
+    """
+    if name in BASELINES:
+        return BASELINES[name](seed)
+    base = brh_params or BalanceRouteParams()
+    if name == "br0":
+        return BalanceRoutePolicy(name, base.as_br0() if base.horizon else base)
+    if name.startswith("brh-") and len(name) > 4:
+        return BalanceRoutePolicy(name, base)
+    raise UnknownPolicyError(name, [*BASELINES, "br0", "brh-<estimator>"])

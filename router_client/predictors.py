@@ -1,0 +1,71 @@
+"""The ``Predictor`` protocol through which BR-H gets ``c_hat``, and the oracle.
+
+A predictor answers, for a batch of active requests, the expected capped remaining life
+``c_hat`` in ``[0, H]`` of each; and it may learn from finished requests. The in-process
+learners of :mod:`predictor.learners`, the HTTP client of the prediction service and the
+oracle all satisfy it; this package imports none but the oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ActiveBatch:
+    """Active requests to predict for; ``request_ids`` are opaque to the router."""
+
+    request_ids: np.ndarray
+    prompt_tokens: np.ndarray
+    generated_tokens: np.ndarray
+    prompt_keys: list[str | None]
+
+
+@dataclass(frozen=True)
+class FinishedBatch:
+    """Requests that ended: ``censored`` for cut (max_tokens), cancelled or failed ones."""
+
+    request_ids: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    censored: np.ndarray
+    prompt_keys: list[str | None]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """``c_hat`` per request, or ``None`` when the predictor cannot answer (then BR-0)."""
+
+    c_hat: np.ndarray | None
+    drifted: bool = False
+
+
+@runtime_checkable
+class Predictor(Protocol):
+    name: str
+
+    def predict(self, batch: ActiveBatch, horizon: int) -> Prediction: ...
+
+    def observe(self, finished: FinishedBatch) -> None: ...
+
+
+class OraclePredictor:
+    """True remaining lengths (simulation only): ``c = min(o - a, H)``.
+
+    ``output_tokens[request_id]`` is the true output length of request ``request_id``.
+    """
+
+    name = "oracle"
+
+    def __init__(self, output_tokens: np.ndarray) -> None:
+        self.output_tokens = np.asarray(output_tokens, dtype=np.int64)
+
+    def predict(self, batch: ActiveBatch, horizon: int) -> Prediction:
+        remaining = self.output_tokens[batch.request_ids.astype(np.int64)] - batch.generated_tokens
+        return Prediction(np.clip(remaining, 0, horizon).astype(np.float64))
+
+    def observe(self, finished: FinishedBatch) -> None:
+        return None

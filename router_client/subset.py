@@ -1,0 +1,97 @@
+"""Exact subset choice for Stage 2 with reachable-sum bitsets (SPEC.md section 4).
+
+For a fixed worker, F depends on a subset ``Q`` only through ``D = sum of s_i over Q``. One
+Python integer per subset size j is a bitset: bit b of ``dp[j]`` is set when exactly j of the
+candidates sum to b (0/1 knapsack, ``dp[j] |= dp[j-1] << s`` with j descending).
+
+F is concave in D, so its maximum over the reachable sums lies at the reachable sum nearest
+its continuous peak from below or from above: two bit scans, whatever the number of
+breakpoints (BR-0 has one, BR-H up to H+1). The subset is recovered by walking the prefix
+tables backwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class SubsetChoice:
+    """Indices into the candidate list, their total ``D`` and its score."""
+
+    indices: tuple[int, ...]
+    total: int
+    score: float
+
+
+def reachable_tables(sizes: Sequence[int], max_count: int) -> list[list[int]]:
+    """``tables[i][j]``: bitset of sums of exactly j among the first i candidates."""
+    row = [1] + [0] * max_count
+    tables = [row]
+    for s in sizes:
+        row = list(row)
+        for j in range(max_count, 0, -1):
+            row[j] |= row[j - 1] << s
+        tables.append(row)
+    return tables
+
+
+def _highest_at_most(bits: int, limit: int) -> int | None:
+    if limit < 0:
+        return None
+    masked = bits & ((1 << (limit + 1)) - 1)
+    return masked.bit_length() - 1 if masked else None
+
+
+def _lowest_above(bits: int, limit: int) -> int | None:
+    start = max(limit + 1, 0)
+    shifted = bits >> start
+    if not shifted:
+        return None
+    return start + (shifted & -shifted).bit_length() - 1
+
+
+def _recover(tables: list[list[int]], sizes: Sequence[int], total: int, count: int) -> list[int]:
+    chosen: list[int] = []
+    for i in range(len(sizes), 0, -1):
+        if (tables[i - 1][count] >> total) & 1:
+            continue  # reachable without candidate i-1
+        chosen.append(i - 1)
+        total -= sizes[i - 1]
+        count -= 1
+    if total != 0 or count != 0:  # pragma: no cover - would mean a broken table
+        raise AssertionError("subset recovery failed")
+    return sorted(chosen)
+
+
+def best_subset(
+    sizes: Sequence[int],
+    max_count: int,
+    score: Callable[[np.ndarray], np.ndarray],
+    peak: float,
+) -> SubsetChoice | None:
+    """The non-empty subset of at most ``max_count`` candidates that maximizes a concave F.
+
+    ``score`` maps an array of totals D to F; ``peak`` is where F stops increasing. Ties go to
+    the smaller total (less risk of overflowing). Returns ``None`` if there is no candidate.
+    """
+    max_count = min(max_count, len(sizes))
+    if max_count <= 0:
+        return None
+    sizes = [int(s) for s in sizes]
+    tables = reachable_tables(sizes, max_count)
+    final = tables[-1]
+    union = 0
+    for j in range(1, max_count + 1):
+        union |= final[j]
+    limit = int(np.floor(peak)) if np.isfinite(peak) else union.bit_length()
+    options = [t for t in (_highest_at_most(union, limit), _lowest_above(union, limit)) if t is not None]
+    values = score(np.asarray(options, dtype=np.float64))
+    best = min(range(len(options)), key=lambda k: (-float(values[k]), options[k]))
+    total = options[best]
+    # Most requests that reach the total: same D and F, but more tokens generated per step.
+    count = next(j for j in range(max_count, 0, -1) if (final[j] >> total) & 1)
+    return SubsetChoice(tuple(_recover(tables, sizes, total, count)), total, float(values[best]))

@@ -1,0 +1,322 @@
+"""Trace loaders: every format of API.md, read as the public files are.
+
+A :class:`Trace` holds one row per request in arrival order. Loaders report a malformed line
+with :class:`~router_client.errors.TraceFormatError` (file and line number), never a traceback.
+
+Formats (``--format auto`` detects them from the path and the first line):
+  azure     CSV ``TIMESTAMP,ContextTokens,GeneratedTokens``; outputs of exactly 1000 tokens
+            are the trace's max_tokens cap and are marked right-censored.
+  mooncake  JSON lines ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``;
+            timestamps are quantized (about 3 s), so requests that share one are spread evenly
+            over the gap to the next; outputs of exactly 2000 are censored; the prompt key is
+            the conversation: the xxh3_64 of the first two ``hash_ids`` (block 0 is a system
+            prompt shared by all; block 1 starts the conversation, and later turns extend it).
+  sharegpt  CSV ``num_prefill_tokens,num_decode_tokens,...``, no times (arrivals are generated
+            when replaying); outputs of 1024 are censored.
+  csv       ``arrival_s,prompt_tokens,output_tokens[,prompt_key][,finish_reason]``.
+  synth:... seeded synthetic workloads, see :mod:`router_client.synth`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from .errors import TraceError, TraceFormatError
+
+FORMATS = ("auto", "azure", "mooncake", "sharegpt", "csv")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+AZURE_CAP = 1000
+MOONCAKE_CAP = 2000
+SHAREGPT_CAP = 1024
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Requests in arrival order.
+
+    ``arrival_s`` is ``None`` for traces without times (arrivals are generated on replay).
+    ``censored[i]`` marks outputs cut by a cap or cancelled: the request ran for
+    ``output_tokens[i]`` tokens, but its natural length is unknown (at least that).
+    """
+
+    name: str
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    censored: np.ndarray
+    prompt_keys: list[str | None]
+    arrival_s: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.prompt_tokens.shape[0])
+
+    def head(self, n: int | None) -> Trace:
+        """The first ``n`` requests (all if ``n`` is None)."""
+        if n is None or n >= len(self):
+            return self
+        if n < 1:
+            raise TraceError(self.name, "--requests must be at least 1")
+        return Trace(
+            self.name,
+            self.prompt_tokens[:n],
+            self.output_tokens[:n],
+            self.censored[:n],
+            self.prompt_keys[:n],
+            None if self.arrival_s is None else self.arrival_s[:n],
+        )
+
+
+def key_of_text(text: str) -> str:
+    """Prompt key of a text: xxh3_64 hex, as the service derives it."""
+    return xxhash.xxh3_64_hexdigest(text.encode("utf-8"))
+
+
+def _int_field(source: str, line: int, name: str, raw: object, minimum: int) -> int:
+    try:
+        if isinstance(raw, bool):
+            raise ValueError
+        value = int(raw) if not isinstance(raw, float) else int(raw)
+        if isinstance(raw, float) and raw != value:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise TraceFormatError(source, line, f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise TraceFormatError(source, line, f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _build(
+    name: str,
+    prompts: list[int],
+    outputs: list[int],
+    censored: list[bool],
+    keys: list[str | None],
+    arrivals: list[float] | None,
+) -> Trace:
+    if not prompts:
+        raise TraceError(name, "the trace has no requests")
+    arrival = None
+    if arrivals is not None:
+        arrival = np.asarray(arrivals, dtype=np.float64)
+        arrival = arrival - arrival[0]
+    return Trace(
+        name,
+        np.asarray(prompts, dtype=np.int64),
+        np.asarray(outputs, dtype=np.int64),
+        np.asarray(censored, dtype=bool),
+        keys,
+        arrival,
+    )
+
+
+def _csv_rows(source: str, text: str, expected: list[str]) -> tuple[list[str], csv.reader]:
+    reader = csv.reader(io.StringIO(text))
+    try:
+        header = [h.strip() for h in next(reader)]
+    except StopIteration:
+        raise TraceError(source, "the file is empty") from None
+    missing = [c for c in expected if c not in header]
+    if missing:
+        raise TraceFormatError(
+            source, 1, f"header lacks column(s) {', '.join(missing)}; got {','.join(header)}"
+        )
+    return header, reader
+
+
+def _row(source: str, line: int, header: list[str], values: list[str]) -> dict[str, str]:
+    if len(values) != len(header):
+        raise TraceFormatError(
+            source, line, f"expected {len(header)} fields, got {len(values)}: {','.join(values)}"
+        )
+    return dict(zip(header, (v.strip() for v in values), strict=True))
+
+
+def load_azure(source: str, text: str) -> Trace:
+    header, reader = _csv_rows(source, text, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
+    prompts: list[int] = []
+    outputs: list[int] = []
+    arrivals: list[float] = []
+    for line, values in enumerate(reader, start=2):
+        if not values:
+            continue
+        row = _row(source, line, header, values)
+        try:
+            stamp = np.datetime64(row["TIMESTAMP"].replace(" ", "T"), "ns")
+        except ValueError:
+            raise TraceFormatError(
+                source, line, f"TIMESTAMP is not a date-time: {row['TIMESTAMP']!r}"
+            ) from None
+        arrivals.append(stamp.astype(np.int64) / 1e9)
+        prompts.append(_int_field(source, line, "ContextTokens", row["ContextTokens"], 0))
+        outputs.append(_int_field(source, line, "GeneratedTokens", row["GeneratedTokens"], 1))
+    _check_sorted(source, arrivals)
+    return _build(source, prompts, outputs, [o == AZURE_CAP for o in outputs],
+                  [None] * len(prompts), arrivals)
+
+
+def load_mooncake(source: str, text: str) -> Trace:
+    prompts: list[int] = []
+    outputs: list[int] = []
+    stamps: list[float] = []
+    keys: list[str | None] = []
+    for line, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise TraceFormatError(source, line, f"not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise TraceFormatError(source, line, "expected a JSON object")
+        for field in ("timestamp", "input_length", "output_length"):
+            if field not in obj:
+                raise TraceFormatError(source, line, f"missing field {field!r}")
+        stamp = obj["timestamp"]
+        if isinstance(stamp, bool) or not isinstance(stamp, int | float) or not math.isfinite(stamp):
+            raise TraceFormatError(source, line, f"timestamp must be a number, got {stamp!r}")
+        stamps.append(float(stamp) / 1000.0)
+        prompts.append(_int_field(source, line, "input_length", obj["input_length"], 0))
+        outputs.append(_int_field(source, line, "output_length", obj["output_length"], 1))
+        hash_ids = obj.get("hash_ids")
+        if hash_ids is None:
+            keys.append(None)
+        elif isinstance(hash_ids, list) and all(
+            isinstance(h, int) and not isinstance(h, bool) for h in hash_ids
+        ):
+            keys.append(xxhash.xxh3_64_hexdigest(repr(hash_ids[:2]).encode()) if hash_ids else None)
+        else:
+            raise TraceFormatError(source, line, "hash_ids must be a list of integers")
+    _check_sorted(source, stamps)
+    return _build(source, prompts, outputs, [o == MOONCAKE_CAP for o in outputs], keys,
+                  spread_quantized(stamps))
+
+
+def spread_quantized(stamps: list[float]) -> list[float]:
+    """Spread requests that share a quantized timestamp evenly over the gap to the next one.
+
+    The gap used for the last group is the median gap between distinct timestamps.
+    """
+    values = np.asarray(stamps, dtype=np.float64)
+    distinct, starts, counts = np.unique(values, return_index=True, return_counts=True)
+    if distinct.size < 2:
+        return list(values)
+    gaps = np.diff(distinct)
+    gaps = np.append(gaps, np.median(gaps))
+    out = values.copy()
+    for start, count, gap in zip(starts, counts, gaps, strict=True):
+        out[start : start + count] += gap * np.arange(count) / count
+    return list(out)
+
+
+def load_sharegpt(source: str, text: str) -> Trace:
+    header, reader = _csv_rows(source, text, ["num_prefill_tokens", "num_decode_tokens"])
+    prompts: list[int] = []
+    outputs: list[int] = []
+    for line, values in enumerate(reader, start=2):
+        if not values:
+            continue
+        row = _row(source, line, header, values)
+        prompts.append(_int_field(source, line, "num_prefill_tokens", row["num_prefill_tokens"], 0))
+        outputs.append(_int_field(source, line, "num_decode_tokens", row["num_decode_tokens"], 1))
+    return _build(source, prompts, outputs, [o == SHAREGPT_CAP for o in outputs],
+                  [None] * len(prompts), None)
+
+
+def load_generic_csv(source: str, text: str) -> Trace:
+    header, reader = _csv_rows(source, text, ["arrival_s", "prompt_tokens", "output_tokens"])
+    prompts: list[int] = []
+    outputs: list[int] = []
+    arrivals: list[float] = []
+    censored: list[bool] = []
+    keys: list[str | None] = []
+    for line, values in enumerate(reader, start=2):
+        if not values:
+            continue
+        row = _row(source, line, header, values)
+        try:
+            arrival = float(row["arrival_s"])
+            if not math.isfinite(arrival) or arrival < 0:
+                raise ValueError
+        except ValueError:
+            raise TraceFormatError(
+                source, line, f"arrival_s must be a number >= 0, got {row['arrival_s']!r}"
+            ) from None
+        arrivals.append(arrival)
+        prompts.append(_int_field(source, line, "prompt_tokens", row["prompt_tokens"], 0))
+        outputs.append(_int_field(source, line, "output_tokens", row["output_tokens"], 1))
+        keys.append(row.get("prompt_key") or None)
+        reason = row.get("finish_reason") or "stop"
+        if reason not in FINISH_REASONS:
+            raise TraceFormatError(
+                source, line, f"finish_reason must be one of {', '.join(FINISH_REASONS)}, got {reason!r}"
+            )
+        censored.append(reason != "stop")
+    _check_sorted(source, arrivals)
+    return _build(source, prompts, outputs, censored, keys, arrivals)
+
+
+def _check_sorted(source: str, arrivals: list[float]) -> None:
+    for index in range(1, len(arrivals)):
+        if arrivals[index] < arrivals[index - 1]:
+            raise TraceFormatError(source, index + 2, "arrival times go backwards")
+
+
+LOADERS = {
+    "azure": load_azure,
+    "mooncake": load_mooncake,
+    "sharegpt": load_sharegpt,
+    "csv": load_generic_csv,
+}
+
+
+def detect_format(source: str, text: str) -> str:
+    """Guess the format from the first non-empty line."""
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    if not first:
+        raise TraceError(source, "the file is empty")
+    if first.lstrip().startswith("{"):
+        return "mooncake"
+    columns = [c.strip() for c in first.split(",")]
+    if columns[:3] == ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
+        return "azure"
+    if "num_prefill_tokens" in columns and "num_decode_tokens" in columns:
+        return "sharegpt"
+    if "arrival_s" in columns:
+        return "csv"
+    raise TraceError(
+        source,
+        "cannot tell the format from the first line "
+        f"({first[:80]!r}); pass --format azure|mooncake|sharegpt|csv",
+    )
+
+
+def parse_trace(text: str, fmt: str = "auto", source: str = "<trace>") -> Trace:
+    """Parse trace text of a given format (``auto`` detects it)."""
+    if fmt not in FORMATS:
+        raise TraceError(source, f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    if fmt == "auto":
+        fmt = detect_format(source, text)
+    return LOADERS[fmt](source, text)
+
+
+def load_trace(spec: str, fmt: str = "auto", requests: int | None = None) -> Trace:
+    """Load a trace file or a ``synth:NAME[:k=v,...]`` workload, keeping the first N."""
+    if spec.startswith("synth:"):
+        from .synth import synthesize
+
+        return synthesize(spec, requests)
+    path = Path(spec)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TraceError(spec, "no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(spec, f"cannot read the file ({exc})") from None
+    return parse_trace(text, fmt, spec).head(requests)

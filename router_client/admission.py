@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Literal
 
 import numpy as np
@@ -66,10 +67,8 @@ class BalanceRouteParams:
     def __post_init__(self) -> None:
         if self.horizon < 0:
             raise ParameterError("horizon", "must be >= 0")
-        if self.horizon == 0 and (self.alpha != 1.0 or self.beta is not None):
-            raise ParameterError(
-                "beta", "BR-0 (horizon 0) forces alpha = 1 and beta = G; leave beta unset"
-            )
+        if self.horizon == 0 and self.alpha != 1.0:
+            raise ParameterError("alpha", "BR-0 (horizon 0) forces alpha = 1")
         if self.alpha <= 0:
             raise ParameterError("alpha", "must be > 0")
         if self.beta is not None and self.beta < 0:
@@ -87,11 +86,18 @@ class BalanceRouteParams:
 
     @classmethod
     def br0(cls, **overrides: object) -> BalanceRouteParams:
-        """BR-0: no lookahead, ``alpha = 1``, ``beta = G``."""
+        """BR-0: no lookahead, ``alpha = 1``, ``beta = G`` (left unset: G is the fleet's)."""
         return cls(horizon=0, alpha=1.0, beta=None, **overrides)  # type: ignore[arg-type]
 
     def effective_beta(self, workers: int) -> float:
-        return float(workers) if self.beta is None else float(self.beta)
+        """``beta``, or ``G`` when unset; in BR-0 (horizon 0) it cannot be anything but G."""
+        if self.beta is None:
+            return float(workers)
+        if self.horizon == 0 and self.beta != workers:
+            raise ParameterError(
+                "beta", f"BR-0 (horizon 0) forces beta = G = {workers}, got {self.beta:g}"
+            )
+        return float(self.beta)
 
     def as_br0(self) -> BalanceRouteParams:
         """The BR-0 parameters this BR-H falls back to (same stage settings)."""
@@ -117,11 +123,11 @@ class RoundStats:
 def build_table(fleet: FleetView, params: BalanceRouteParams) -> MarginTable:
     """Projection, envelope and margins for one round (H = 0: the current loads)."""
     beta = params.effective_beta(fleet.workers)
-    if params.horizon == 0:
+    if fleet.active_c_hat is None:
+        if params.horizon > 0:
+            raise ValueError("BR-H needs c_hat for every active request")
         loads = fleet.loads.astype(np.float64)[:, None]
         return MarginTable(loads, discounts(0, params.gamma), params.alpha, beta)
-    if fleet.active_c_hat is None:
-        raise ValueError("BR-H needs c_hat for every active request")
     loads = projected_loads(
         fleet.workers, params.horizon, fleet.active_worker, fleet.active_size, fleet.active_c_hat
     )
@@ -132,6 +138,7 @@ def route_round(
     fleet: FleetView, pool: list[WaitingRequest], params: BalanceRouteParams
 ) -> tuple[list[Assignment], RoundStats]:
     """One scheduling round of BR-H (or BR-0 when ``params.horizon == 0``)."""
+    started = perf_counter()
     stats = RoundStats(used_prediction=params.horizon > 0)
     free = fleet.free_slots.astype(np.int64).copy()
     total_free = int(free.sum())
@@ -168,6 +175,8 @@ def route_round(
             admit(worker, waiting.pop(pos))
             stats.stage1_admissions += 1
 
+    stage2_started = perf_counter()
+    stats.extra["stage1_s"] = stage2_started - started
     if waiting and total_free > 0:
         heap = [
             (-int(free[g]), -table.current_margin(g), g)
@@ -200,6 +209,7 @@ def route_round(
                 picked = [index]
             taken = set(picked)
             waiting = [i for i in waiting if i not in taken]
+    stats.extra["stage2_s"] = perf_counter() - stage2_started
     return out, stats
 
 

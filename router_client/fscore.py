@@ -40,7 +40,7 @@ class MarginTable:
 
     ``loads`` has shape ``(G, H+1)``: worker g's projected load h steps ahead. Admitting
     ``D`` tokens to a worker adds ``D`` to its whole row and raises the envelope where needed;
-    the sorted structures are rebuilt lazily, in one vectorized pass, when next needed.
+    a worker's sorted margins are rebuilt lazily, only when it is next scored.
     """
 
     def __init__(self, loads: np.ndarray, d: np.ndarray, alpha: float, beta: float) -> None:
@@ -52,23 +52,36 @@ class MarginTable:
         self.beta = beta
         self.fill = alpha * float(d.sum())
         self.envelope = self.loads.max(axis=0)
-        self._dirty = True
+        workers, width = self.loads.shape
+        self._sorted = np.zeros((workers, width))
+        self._cum_d = np.zeros((workers, width + 1))
+        self._cum_dm = np.zeros((workers, width + 1))
+        # Rows whose sorted margins are out of date; rebuilt lazily, only when scored.
+        self._stale = np.ones(workers, dtype=bool)
 
     @property
     def workers(self) -> int:
         return int(self.loads.shape[0])
 
-    def _rebuild(self) -> None:
-        margins = self.envelope[None, :] - self.loads
+    def _refresh(self, rows: np.ndarray | slice) -> None:
+        margins = self.envelope[None, :] - self.loads[rows]
         order = np.argsort(margins, axis=1, kind="stable")
-        self._sorted = np.take_along_axis(margins, order, axis=1)
+        ordered = np.take_along_axis(margins, order, axis=1)
         d_sorted = self.d[order]
-        zeros = np.zeros((self.workers, 1))
-        self._cum_d = np.concatenate([zeros, np.cumsum(d_sorted, axis=1)], axis=1)
-        self._cum_dm = np.concatenate(
-            [zeros, np.cumsum(d_sorted * self._sorted, axis=1)], axis=1
-        )
-        self._dirty = False
+        self._sorted[rows] = ordered
+        self._cum_d[rows, 1:] = np.cumsum(d_sorted, axis=1)
+        self._cum_dm[rows, 1:] = np.cumsum(d_sorted * ordered, axis=1)
+        self._stale[rows] = False
+
+    def _ensure(self, worker: int) -> None:
+        if self._stale[worker]:
+            self._refresh(np.array([worker]))
+
+    def refresh_all(self) -> None:
+        """Bring every stale row up to date in one vectorized pass."""
+        stale = np.flatnonzero(self._stale)
+        if stale.size:
+            self._refresh(stale)
 
     def margins(self, worker: int) -> np.ndarray:
         """Worker's margins ``M_h - L_{g,h}`` in horizon order."""
@@ -79,8 +92,7 @@ class MarginTable:
 
     def score(self, worker: int, D: float | np.ndarray) -> np.ndarray:
         """F for admitting ``D`` tokens (scalar or array) to ``worker``; O(log H) each."""
-        if self._dirty:
-            self._rebuild()
+        self._ensure(worker)
         D = np.asarray(D, dtype=np.float64)
         k = np.searchsorted(self._sorted[worker], D, side="left")  # margins strictly below D
         cum_d = self._cum_d[worker]
@@ -94,8 +106,7 @@ class MarginTable:
         ``alpha * sum(d) - beta * cum_d[k]``; F peaks at the first margin past which the slope
         is no longer positive.
         """
-        if self._dirty:
-            self._rebuild()
+        self._ensure(worker)
         slopes = self.fill - self.beta * self._cum_d[worker][1:]
         nonpositive = np.flatnonzero(slopes <= 0.0)
         if nonpositive.size == 0:
@@ -104,6 +115,10 @@ class MarginTable:
 
     def admit(self, worker: int, D: float) -> None:
         """Add ``D`` tokens to ``worker`` at every horizon step and raise the envelope."""
-        self.loads[worker] += D
-        np.maximum(self.envelope, self.loads[worker], out=self.envelope)
-        self._dirty = True
+        row = self.loads[worker]
+        row += D
+        if (row > self.envelope).any():
+            np.maximum(self.envelope, row, out=self.envelope)
+            self._stale[:] = True  # every worker's margins moved where the envelope rose
+        else:
+            self._stale[worker] = True

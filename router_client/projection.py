@@ -20,14 +20,24 @@ def projected_loads(
     c_hat: np.ndarray,
 ) -> np.ndarray:
     """Loads ``L_{g,h}`` for h = 0..H, shape ``(G, H+1)``."""
-    out = np.zeros((workers, horizon + 1), dtype=np.float64)
+    width = horizon + 2
     if active_worker.size == 0:
-        return out
+        return np.zeros((workers, horizon + 1), dtype=np.float64)
+    c = np.clip(np.asarray(c_hat, dtype=np.float64), 1.0, float(max(horizon, 1)))
+    full = np.floor(c).astype(np.int64)  # steps 0..full-1 at weight 1
+    fraction = c - full  # weight at step `full`
+    base = active_worker.astype(np.int64) * width
+    size = active_size.astype(np.float64)
+    ones = np.ones_like(size)
+    # Difference arrays over h: +x at 0, -x at `full`; prefix sums give the alive totals.
+    starts = np.bincount(base, weights=size, minlength=workers * width)
+    starts -= np.bincount(base + full, weights=size, minlength=workers * width)
+    count = np.bincount(base, weights=ones, minlength=workers * width)
+    count -= np.bincount(base + full, weights=ones, minlength=workers * width)
+    alive_size = np.cumsum(starts.reshape(workers, width), axis=1)[:, :-1]
+    alive_count = np.cumsum(count.reshape(workers, width), axis=1)[:, :-1]
     steps = np.arange(horizon + 1, dtype=np.float64)
-    alive = np.clip(np.maximum(c_hat, 1.0)[:, None] - steps[None, :], 0.0, 1.0)
-    contribution = (active_size[:, None] + steps[None, :]) * alive
-    order = np.argsort(active_worker, kind="stable")
-    sorted_workers = active_worker[order]
-    starts = np.flatnonzero(np.r_[True, sorted_workers[1:] != sorted_workers[:-1]])
-    out[sorted_workers[starts]] = np.add.reduceat(contribution[order], starts, axis=0)
-    return out
+    out = alive_size + alive_count * steps[None, :]
+    partial = np.bincount(base + full, weights=fraction * (size + full),
+                          minlength=workers * width).reshape(workers, width)[:, :-1]
+    return out + partial

@@ -238,7 +238,9 @@ def simulate(
                     slot = assignment.worker * B + int(free_slots[0])
                     request = int(visible[assignment.pool_index].request_id)
                     if assigned[request]:
-                        raise AssertionError(f"policy {policy.name} admitted request {request} twice")
+                        raise AssertionError(
+                            f"policy {policy.name} admitted request {request} twice"
+                        )
                     assigned[request] = True
                     slot_req[slot] = request
                     slot_size[slot] = prompts[request]

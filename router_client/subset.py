@@ -88,7 +88,8 @@ def best_subset(
     for j in range(1, max_count + 1):
         union |= final[j]
     limit = int(np.floor(peak)) if np.isfinite(peak) else union.bit_length()
-    options = [t for t in (_highest_at_most(union, limit), _lowest_above(union, limit)) if t is not None]
+    nearest = (_highest_at_most(union, limit), _lowest_above(union, limit))
+    options = [t for t in nearest if t is not None]
     values = score(np.asarray(options, dtype=np.float64))
     best = min(range(len(options)), key=lambda k: (-float(values[k]), options[k]))
     total = options[best]

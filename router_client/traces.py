@@ -179,7 +179,8 @@ def load_mooncake(source: str, text: str) -> Trace:
             if field not in obj:
                 raise TraceFormatError(source, line, f"missing field {field!r}")
         stamp = obj["timestamp"]
-        if isinstance(stamp, bool) or not isinstance(stamp, int | float) or not math.isfinite(stamp):
+        is_number = isinstance(stamp, int | float) and not isinstance(stamp, bool)
+        if not is_number or not math.isfinite(stamp):
             raise TraceFormatError(source, line, f"timestamp must be a number, got {stamp!r}")
         stamps.append(float(stamp) / 1000.0)
         prompts.append(_int_field(source, line, "input_length", obj["input_length"], 0))
@@ -255,7 +256,8 @@ def load_generic_csv(source: str, text: str) -> Trace:
         reason = row.get("finish_reason") or "stop"
         if reason not in FINISH_REASONS:
             raise TraceFormatError(
-                source, line, f"finish_reason must be one of {', '.join(FINISH_REASONS)}, got {reason!r}"
+                source, line,
+                f"finish_reason must be one of {', '.join(FINISH_REASONS)}, got {reason!r}",
             )
         censored.append(reason != "stop")
     _check_sorted(source, arrivals)

@@ -1,0 +1,6 @@
+"""BalanceRoute prediction service and its online learners.
+
+:mod:`predictor.learners` holds plain numpy estimators (no web or database code) that both
+the service and the simulator use; :mod:`predictor.cli` is the composition root of the
+``balanceroute`` command.
+"""

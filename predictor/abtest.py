@@ -1,0 +1,212 @@
+"""A/B comparison of routing policies by trace replay (composition root for the simulator).
+
+Wires each policy name to its predictor (``brh-oracle``: true lengths; ``brh-survival``,
+``brh-exactmatch`` and any ``brh-<estimator>``: in-process online learners that see only
+requests that finished earlier in the same run) and runs the simulator for every
+(workers, policy) pair. Used by ``balanceroute ab`` and the REST A/B endpoint.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from router_client.errors import UnknownPolicyError
+from router_client.policies import BASELINES, make_policy
+from router_client.predictors import OraclePredictor, Predictor
+from router_client.simulator import SimConfig, SimResult, simulate
+from router_client.traces import Trace
+
+from .learners import ESTIMATORS, LearnerPredictor
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLICIES = ("rr", "jsq", "p2c", "ltl", "br0", "brh-survival", "brh-exactmatch",
+                    "brh-oracle")
+BASELINE_FOR_RATIOS = "jsq"
+
+
+def estimator_key(policy: str) -> str:
+    """``brh-exactmatch`` -> ``exact_match``; ``brh-survival`` -> ``survival``."""
+    name = policy.removeprefix("brh-").replace("-", "_")
+    return "exact_match" if name == "exactmatch" else name
+
+
+def known_policies() -> list[str]:
+    estimators = ["brh-" + ("exactmatch" if k == "exact_match" else k) for k in ESTIMATORS]
+    return [*BASELINES, "br0", *estimators, "brh-oracle"]
+
+
+def validate_policies(names: Sequence[str]) -> list[str]:
+    known = known_policies()
+    for name in names:
+        if name not in known:
+            raise UnknownPolicyError(name, known)
+    return list(names)
+
+
+def make_predictor(policy: str, trace: Trace) -> Predictor | None:
+    if not policy.startswith("brh-"):
+        return None
+    if policy == "brh-oracle":
+        return OraclePredictor(trace.output_tokens)
+    return LearnerPredictor(ESTIMATORS[estimator_key(policy)]())
+
+
+@dataclass
+class Comparison:
+    rows: list[dict]
+    trajectories: dict[tuple[int, str], np.ndarray]
+
+
+def run_comparison(
+    trace: Trace,
+    policies: Sequence[str],
+    workers: Sequence[int],
+    config: SimConfig,
+    progress: Callable[[float, str], None] | None = None,
+    predictor_factory: Callable[[str, Trace], Predictor | None] = make_predictor,
+) -> Comparison:
+    """Replay ``trace`` through every (workers, policy); rows in that order."""
+    validate_policies(policies)
+    runs = [(g, p) for g in workers for p in policies]
+    rows: list[dict] = []
+    trajectories: dict[tuple[int, str], np.ndarray] = {}
+    for number, (g, name) in enumerate(runs):
+        label = f"[{number + 1}/{len(runs)}] G={g} {name}"
+
+        def report(fraction: float, number: int = number, label: str = label) -> None:
+            if progress is not None:
+                progress((number + fraction) / len(runs), label)
+
+        policy = make_policy(name, seed=config.seed)
+        result: SimResult = simulate(
+            trace, policy, replace(config, workers=g), predictor_factory(name, trace), report
+        )
+        rows.append(result.row)
+        if result.loads is not None:
+            trajectories[(g, name)] = result.loads
+        log.info("%s done in %.1fs", label, result.row["sim_wall_s"])
+    _add_ratios(rows)
+    return Comparison(rows, trajectories)
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    reference = {r["workers"]: r for r in rows if r["policy"] == BASELINE_FOR_RATIOS}
+    for row in rows:
+        bound = row["balanced_bound_tok_s"]
+        row["bound_fraction"] = row["throughput_tok_s"] / bound if bound else 0.0
+        ref = reference.get(row["workers"])
+        if ref is not None and ref["throughput_tok_s"] and ref["imbalance_maxmin_mean"]:
+            row["throughput_vs_jsq"] = row["throughput_tok_s"] / ref["throughput_tok_s"]
+            row["imbalance_vs_jsq"] = row["imbalance_maxmin_mean"] / ref["imbalance_maxmin_mean"]
+
+
+TABLE_COLUMNS = [
+    ("G", "workers", "{:>3}"),
+    ("policy", "policy", "{:<15}"),
+    ("tok/s", "throughput_tok_s", "{:>9.1f}"),
+    ("x jsq", "throughput_vs_jsq", "{:>6.3f}"),
+    ("of bound", "bound_fraction", "{:>8.2%}"),
+    ("max-min", "imbalance_maxmin_mean", "{:>9.0f}"),
+    ("x jsq", "imbalance_vs_jsq", "{:>6.3f}"),
+    ("I(k)", "imbalance_total_mean", "{:>9.0f}"),
+    ("idle", "barrier_idle_fraction", "{:>6.2%}"),
+    ("TPOT p95", "tpot_p95_ms", "{:>8.1f}"),
+    ("TTFT p95", "ttft_p95_ms", "{:>9.0f}"),
+    ("guard", "starvation_guard_admissions", "{:>6}"),
+    ("fallback", "fallback_steps", "{:>8}"),
+    ("sim s", "sim_wall_s", "{:>6.1f}"),
+]
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """A plain-text table, one line per (workers, policy)."""
+    header = []
+    for title, _, fmt in TABLE_COLUMNS:
+        width = len(fmt.format(0.0)) if "f" in fmt or "%" in fmt else None
+        header.append(title.rjust(width) if width else fmt.replace(".1f", "").format(title))
+    lines = [" ".join(header)]
+    for row in rows:
+        cells = []
+        for _, key, fmt in TABLE_COLUMNS:
+            value = row.get(key)
+            if value is None:
+                width = len(fmt.format(0.0)) if ("f" in fmt or "%" in fmt) else 6
+                cells.append("-".rjust(width))
+            else:
+                cells.append(fmt.format(value))
+        lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def write_csv(rows: Sequence[dict], path: Path) -> None:
+    keys: list[str] = []
+    for row in rows:
+        keys.extend(k for k in row if k not in keys)
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_plots(comparison: Comparison, out: Path, title: str) -> list[Path]:
+    """Per-worker load trajectories and throughput/imbalance by policy and worker count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+    rows = comparison.rows
+    for g in sorted({k[0] for k in comparison.trajectories}):
+        names = [k[1] for k in comparison.trajectories if k[0] == g]
+        fig, axes = plt.subplots(len(names), 1, figsize=(10, 2.2 * len(names)), sharex=True,
+                                 squeeze=False)
+        top = max(float(comparison.trajectories[(g, n)].max()) for n in names) or 1.0
+        for ax, name in zip(axes[:, 0], names, strict=True):
+            loads = comparison.trajectories[(g, name)]
+            stride = max(1, loads.shape[0] // 3000)
+            ax.plot(np.arange(0, loads.shape[0], stride), loads[::stride] / 1000.0, lw=0.5)
+            ax.set_ylim(0, top / 1000.0 * 1.05)
+            ax.set_ylabel("KV k-tokens")
+            ax.set_title(f"{name}: per-worker KV load (G={g})", fontsize=9, loc="left")
+        axes[-1, 0].set_xlabel("decode step")
+        fig.suptitle(title, fontsize=10)
+        fig.tight_layout()
+        path = out / f"trajectories_G{g}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    workers = sorted({r["workers"] for r in rows})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(policies))
+    for i, name in enumerate(policies):
+        xs = np.arange(len(workers)) + i * width
+        by_g = {r["workers"]: r for r in rows if r["policy"] == name}
+        ax1.bar(xs, [by_g[g]["bound_fraction"] * 100 if g in by_g else 0 for g in workers],
+                width, label=name)
+        ax2.bar(xs, [by_g[g]["imbalance_maxmin_mean"] / 1000 if g in by_g else 0
+                     for g in workers], width, label=name)
+    for ax, label in ((ax1, "throughput, % of balanced bound"),
+                      (ax2, "mean max-min KV load (k tokens)")):
+        ax.set_xticks(np.arange(len(workers)) + 0.4 - width / 2)
+        ax.set_xticklabels([f"G={g}" for g in workers])
+        ax.set_ylabel(label)
+    low = min(r["bound_fraction"] for r in rows) * 100
+    ax1.set_ylim(max(0.0, low - 2), 100.5)
+    ax2.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = out / "throughput_imbalance.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written

@@ -1,0 +1,225 @@
+"""The ``balanceroute`` command line (composition root)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from router_client.errors import BalanceRouteError
+from router_client.simulator import DEFAULT_STEP_COST, SimConfig
+from router_client.traces import FORMATS, load_trace
+
+from . import abtest
+
+NOT_YET = 2
+
+
+def bundled_trace() -> Path:
+    """The copy of the Azure 2023 conversation trace shipped with the package."""
+    return Path(__file__).resolve().parent.parent / "router_client" / "data" / (
+        "AzureLLMInferenceTrace_conv.csv"
+    )
+
+
+class Progress:
+    """Progress on stderr: a redrawn line on a terminal, a line per 10% otherwise."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self.last_decile = -1
+        self.started = time.monotonic()
+
+    def __call__(self, fraction: float, label: str) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.monotonic() - self.started
+        text = f"{fraction:6.1%} {label} ({elapsed:.0f}s)"
+        if self.tty:
+            sys.stderr.write("\r" + text.ljust(70))
+            if fraction >= 1.0:
+                sys.stderr.write("\n")
+        else:
+            decile = int(fraction * 10)
+            if decile > self.last_decile:
+                self.last_decile = decile
+                sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
+def _workers(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        message = f"--workers takes integers like 8 or 4,8,16: {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError("--workers needs positive integers")
+    return values
+
+
+def _load(text: str) -> float | str:
+    if text == "backlog":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--load takes a number or 'backlog': {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError("--load must be > 0")
+    return value
+
+
+def _step_cost(text: str) -> tuple[float, float]:
+    try:
+        a, b = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--step-cost takes A,B (two numbers): {text!r}") from None
+    if a < 0 or b < 0:
+        raise argparse.ArgumentTypeError("--step-cost values must be >= 0")
+    return a, b
+
+
+def _policies(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="balanceroute",
+        description="Load balancing for barrier-synchronized data-parallel LLM decode fleets.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the prediction service (FastAPI)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--database-url", default=None,
+                       help="SQLAlchemy URL (default: BALANCEROUTE_DATABASE_URL or SQLite)")
+
+    ab = sub.add_parser("ab", help="A/B comparison of routing policies by trace replay")
+    ab.add_argument("--trace", required=True,
+                    help="trace file, or synth:long|templated|shift[:key=value,...]")
+    ab.add_argument("--format", default="auto", choices=FORMATS)
+    ab.add_argument("--workers", type=_workers, default=[8], help="8, or a list like 4,8,16")
+    ab.add_argument("--batch", type=int, default=64, help="B: slots per worker (default 64)")
+    ab.add_argument("--requests", type=int, default=None, help="replay the first N requests")
+    ab.add_argument("--load", type=_load, default=1.0,
+                    help="arrival rate relative to saturation, or 'backlog' (default 1.0)")
+    ab.add_argument("--policies", type=_policies, default=list(abtest.DEFAULT_POLICIES),
+                    help=f"comma-separated (default: {','.join(abtest.DEFAULT_POLICIES)})")
+    ab.add_argument("--step-cost", type=_step_cost, default=DEFAULT_STEP_COST,
+                    help="A,B: step time = A * max load + B seconds (default {:g},{:g})".format(
+                        *DEFAULT_STEP_COST))
+    ab.add_argument("--horizon", type=int, default=80, help="H for BR-H (default 80)")
+    ab.add_argument("--refresh-steps", type=int, default=10,
+                    help="predictions refreshed every this many steps (default 10)")
+    ab.add_argument("--seed", type=int, default=0)
+    ab.add_argument("--out", type=Path, default=None, help="directory for CSV and PNG plots")
+    ab.add_argument("--json", type=Path, default=None, help="write the result rows here")
+    ab.add_argument("--predictor-url", default=None,
+                    help="route BR-H through a running prediction service")
+    ab.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    router = bench_sub.add_parser("router", help="time full BR-H scheduling rounds")
+    router.add_argument("--workers", type=int, default=8)
+    router.add_argument("--rmax", type=int, default=4)
+    router.add_argument("--pool", type=int, default=256)
+    router.add_argument("--batch", type=int, default=64)
+    router.add_argument("--horizon", type=int, default=80)
+    router.add_argument("--rounds", type=int, default=2000)
+    router.add_argument("--seed", type=int, default=0)
+    router.add_argument("--json", type=Path, default=None)
+    predictor = bench_sub.add_parser("predictor", help="time /v1/contributions")
+    predictor.add_argument("--items", type=int, default=1024)
+    predictor.add_argument("--json", type=Path, default=None)
+
+    sub.add_parser("demo", help="run the main job end to end on bundled data")
+    return parser
+
+
+def cmd_ab(args: argparse.Namespace) -> int:
+    if args.predictor_url:
+        print("error: --predictor-url needs the live predictor client, which does not exist "
+              "yet (issue 6)", file=sys.stderr)
+        return NOT_YET
+    abtest.validate_policies(args.policies)
+    trace = load_trace(args.trace, args.format, args.requests)
+    config = SimConfig(
+        batch=args.batch, load=args.load, step_cost=args.step_cost, horizon=args.horizon,
+        refresh_steps=args.refresh_steps, seed=args.seed, record_trajectory=args.out is not None,
+    )
+    comparison = abtest.run_comparison(
+        trace, args.policies, args.workers, config, Progress(not args.quiet)
+    )
+    print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
+          f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")
+    print(abtest.format_table(comparison.rows))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(comparison.rows, indent=1))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        abtest.write_csv(comparison.rows, args.out / "results.csv")
+        title = f"{Path(args.trace).name}, load {args.load}"
+        plots = abtest.write_plots(comparison, args.out, title)
+        print(f"wrote {args.out / 'results.csv'} and {', '.join(p.name for p in plots)}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "router":
+        from router_client.bench import bench_router
+
+        result = bench_router(workers=args.workers, rmax=args.rmax, pool=args.pool,
+                              batch=args.batch, horizon=args.horizon, rounds=args.rounds,
+                              seed=args.seed)
+        print(json.dumps(result, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+        return 0
+    print("error: bench predictor needs the prediction service, which does not exist yet "
+          "(issue 4)", file=sys.stderr)
+    return NOT_YET
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    trace = str(bundled_trace())
+    print("BalanceRoute demo: A/B comparison on the bundled Azure 2023 conversation trace "
+          "(first 4000 requests, G = 8, B = 64, load 1.0)")
+    demo_args = build_parser().parse_args(
+        ["ab", "--trace", trace, "--requests", "4000", "--workers", "8", "--load", "1.0",
+         "--out", "demo-out", "--json", "demo-out/results.json"]
+    )
+    return cmd_ab(demo_args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            print("error: the prediction service does not exist yet (issue 4)", file=sys.stderr)
+            return NOT_YET
+        if args.command == "ab":
+            return cmd_ab(args)
+        if args.command == "bench":
+            return cmd_bench(args)
+        return cmd_demo(args)
+    except BalanceRouteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

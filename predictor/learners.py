@@ -1,0 +1,284 @@
+"""Online estimators of expected capped remaining life (SPEC.md section 6).
+
+``KaplanMeier`` learns the survival function ``S(t) = P(o > t)`` of output lengths from
+finished requests, with right-censoring: outputs cut by ``length``, ``cancelled`` or ``error``
+are at risk up to their length but are not events. It is online (``partial_fit`` updates event
+and censoring counts; nothing is refit from scratch) and keeps a sliding window of the most
+recent ``window`` observations (``0``: all of them, plain Kaplan-Meier). A window rather than a
+decay keeps the estimate an exact Kaplan-Meier of a well-defined set of requests: it can be
+checked against lifelines, rebuilt from the database after a restart, and it forgets a past
+workload completely after ``window`` new observations.
+
+``residual_life`` turns a survival curve into, for a request that has generated ``a`` tokens::
+
+    c_hat = sum_{h=0}^{H-1} S(a+h) / S(a)      p_fin = 1 - S(a+H) / S(a)
+    mu_rem = (c_hat - (1 - p_fin) * H) / p_fin (mean remaining given that it ends within H)
+
+Past the largest observed length the curve is taken as flat (no event was ever seen there),
+and a request with ``S(a) = 0`` (it outlived every observed output) gets the conservative
+prior, as does any query before the first observation: ``c_hat = H``, ``p_fin = 0``.
+
+``SurvivalEstimator`` is one curve for all requests; ``ExactMatchEstimator`` keeps one curve
+per prompt key (at most ``max_buckets``, least recently used evicted) and answers from it when
+the key has at least ``min_support`` observations in its window, else from the global curve.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+PRIOR = "prior"
+SURVIVAL = "survival"
+EXACT_MATCH = "exact_match"
+
+
+class NotFittedError(RuntimeError):
+    """A learned quantity was asked for before any observation."""
+
+
+class KaplanMeier:
+    """Online, windowed Kaplan-Meier estimator of ``S(t) = P(o > t)`` on integer lengths."""
+
+    def __init__(self, window: int = 0) -> None:
+        if window < 0:
+            raise ValueError("window must be >= 0 (0 keeps every observation)")
+        self.window = window
+        self.reset()
+
+    def reset(self) -> KaplanMeier:
+        self.events_ = np.zeros(1, dtype=np.int64)
+        self.censored_ = np.zeros(1, dtype=np.int64)
+        self.n_observed_ = 0
+        self._recent: deque[tuple[int, bool]] = deque()
+        self._survival: np.ndarray | None = None
+        return self
+
+    def fit(self, durations: Sequence[int] | np.ndarray,
+            events: Sequence[bool] | np.ndarray) -> KaplanMeier:
+        return self.reset().partial_fit(durations, events)
+
+    def partial_fit(self, durations: Sequence[int] | np.ndarray,
+                    events: Sequence[bool] | np.ndarray) -> KaplanMeier:
+        """Add observations: ``events[i]`` is True for an observed end, False if censored."""
+        durations = np.asarray(durations, dtype=np.int64)
+        events = np.asarray(events, dtype=bool)
+        if durations.shape != events.shape:
+            raise ValueError("durations and events must have the same length")
+        if durations.size == 0:
+            return self
+        if (durations < 0).any():
+            raise ValueError("durations must be >= 0")
+        self._grow(int(durations.max()))
+        np.add.at(self.events_, durations[events], 1)
+        np.add.at(self.censored_, durations[~events], 1)
+        self.n_observed_ += int(durations.size)
+        if self.window:
+            self._recent.extend(zip(durations.tolist(), events.tolist(), strict=True))
+            while len(self._recent) > self.window:
+                old, was_event = self._recent.popleft()
+                (self.events_ if was_event else self.censored_)[old] -= 1
+                self.n_observed_ -= 1
+        self._survival = None
+        return self
+
+    def _grow(self, longest: int) -> None:
+        if longest >= self.events_.shape[0]:
+            size = max(longest + 1, 2 * self.events_.shape[0])
+            self.events_ = np.pad(self.events_, (0, size - self.events_.shape[0]))
+            self.censored_ = np.pad(self.censored_, (0, size - self.censored_.shape[0]))
+
+    @property
+    def survival_(self) -> np.ndarray:
+        """``S(t)`` for t = 0..T (T the largest length seen); flat beyond."""
+        if self.n_observed_ == 0:
+            raise NotFittedError("no observations yet")
+        if self._survival is None:
+            counts = self.events_ + self.censored_
+            last = int(np.flatnonzero(counts)[-1])
+            events = self.events_[: last + 1].astype(np.float64)
+            at_risk = np.cumsum(counts[: last + 1][::-1])[::-1].astype(np.float64)
+            hazard = np.divide(events, at_risk, out=np.zeros_like(events), where=at_risk > 0)
+            self._survival = np.cumprod(1.0 - hazard)
+        return self._survival
+
+    def survival_at(self, t: np.ndarray | int) -> np.ndarray:
+        curve = self.survival_
+        return curve[np.minimum(np.asarray(t, dtype=np.int64), curve.shape[0] - 1)]
+
+
+@dataclass(frozen=True)
+class ResidualLife:
+    """Per-request answers; ``mu_rem`` is NaN where ``p_fin`` is 0."""
+
+    c_hat: np.ndarray
+    p_fin: np.ndarray
+    mu_rem: np.ndarray
+
+
+def residual_life(survival: np.ndarray, generated: np.ndarray, horizon: int) -> ResidualLife:
+    """``c_hat``, ``p_fin``, ``mu_rem`` for requests that generated ``generated`` tokens."""
+    generated = np.asarray(generated, dtype=np.int64)
+    tail = survival.shape[0]
+    extended = np.concatenate([survival, np.full(horizon + 1, survival[-1])])
+    prefix = np.concatenate([[0.0], np.cumsum(extended)])
+    at = np.minimum(generated, tail)  # flat beyond the curve: tail index is as good as any
+    s_now = extended[at]
+    known = s_now > 0
+    safe = np.where(known, s_now, 1.0)
+    c_hat = np.where(known, (prefix[at + horizon] - prefix[at]) / safe, float(horizon))
+    p_fin = np.where(known, 1.0 - extended[at + horizon] / safe, 0.0)
+    c_hat = np.clip(c_hat, 0.0, float(horizon))
+    p_fin = np.clip(p_fin, 0.0, 1.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mu_rem = np.where(p_fin > 0, (c_hat - (1.0 - p_fin) * horizon) / p_fin, np.nan)
+    mu_rem = np.where(p_fin > 0, np.clip(mu_rem, 0.0, float(horizon)), np.nan)
+    return ResidualLife(c_hat, p_fin, mu_rem)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Batched answer of an estimator: residual life plus which estimator and support."""
+
+    life: ResidualLife
+    estimator: list[str]
+    support: np.ndarray
+
+
+def _prior(n: int, horizon: int) -> ResidualLife:
+    return ResidualLife(np.full(n, float(horizon)), np.zeros(n), np.full(n, np.nan))
+
+
+class SurvivalEstimator:
+    """One Kaplan-Meier curve over all requests."""
+
+    name = SURVIVAL
+
+    def __init__(self, window: int = 5000) -> None:
+        self.window = window
+        self.curve_ = KaplanMeier(window)
+
+    def partial_fit(self, durations: np.ndarray, events: np.ndarray,
+                    keys: Sequence[str | None] | None = None) -> SurvivalEstimator:
+        self.curve_.partial_fit(durations, events)
+        return self
+
+    @property
+    def support_(self) -> int:
+        return self.curve_.n_observed_
+
+    def predict(self, generated: np.ndarray, keys: Sequence[str | None] | None,
+                horizon: int) -> Answer:
+        n = int(np.asarray(generated).shape[0])
+        if self.curve_.n_observed_ == 0:
+            return Answer(_prior(n, horizon), [PRIOR] * n, np.zeros(n, dtype=np.int64))
+        life = residual_life(self.curve_.survival_, generated, horizon)
+        return Answer(life, [SURVIVAL] * n, np.full(n, self.curve_.n_observed_, dtype=np.int64))
+
+
+class ExactMatchEstimator:
+    """Per-prompt-key curves with fallback to :class:`SurvivalEstimator`.
+
+    Memory is bounded by ``max_buckets`` curves of at most ``bucket_window`` observations each
+    (plus the global curve), whatever the number of distinct keys.
+    """
+
+    name = EXACT_MATCH
+
+    def __init__(self, window: int = 5000, min_support: int = 8, max_buckets: int = 100_000,
+                 bucket_window: int = 256) -> None:
+        if min_support < 1:
+            raise ValueError("min_support must be >= 1")
+        if max_buckets < 1:
+            raise ValueError("max_buckets must be >= 1")
+        self.window = window
+        self.min_support = min_support
+        self.max_buckets = max_buckets
+        self.bucket_window = bucket_window
+        self.fallback_ = SurvivalEstimator(window)
+        self.buckets_: OrderedDict[str, KaplanMeier] = OrderedDict()
+        self.queries_ = 0
+        self.hits_ = 0
+
+    def partial_fit(self, durations: np.ndarray, events: np.ndarray,
+                    keys: Sequence[str | None] | None = None) -> ExactMatchEstimator:
+        durations = np.asarray(durations, dtype=np.int64)
+        events = np.asarray(events, dtype=bool)
+        self.fallback_.partial_fit(durations, events)
+        if keys is None:
+            return self
+        groups: dict[str, list[int]] = {}
+        for index, key in enumerate(keys):
+            if key is not None:
+                groups.setdefault(key, []).append(index)
+        for key, rows in groups.items():
+            bucket = self.buckets_.get(key)
+            if bucket is None:
+                bucket = KaplanMeier(self.bucket_window)
+                self.buckets_[key] = bucket
+                if len(self.buckets_) > self.max_buckets:
+                    self.buckets_.popitem(last=False)
+            else:
+                self.buckets_.move_to_end(key)
+            bucket.partial_fit(durations[rows], events[rows])
+        return self
+
+    def predict(self, generated: np.ndarray, keys: Sequence[str | None] | None,
+                horizon: int) -> Answer:
+        generated = np.asarray(generated, dtype=np.int64)
+        answer = self.fallback_.predict(generated, keys, horizon)
+        if keys is None:
+            return answer
+        c_hat, p_fin, mu_rem = (answer.life.c_hat.copy(), answer.life.p_fin.copy(),
+                                answer.life.mu_rem.copy())
+        estimator = list(answer.estimator)
+        support = answer.support.copy()
+        groups: dict[str, list[int]] = {}
+        for index, key in enumerate(keys):
+            if key is not None:
+                groups.setdefault(key, []).append(index)
+        self.queries_ += len(keys)
+        for key, rows in groups.items():
+            bucket = self.buckets_.get(key)
+            if bucket is None or bucket.n_observed_ < self.min_support:
+                continue
+            life = residual_life(bucket.survival_, generated[rows], horizon)
+            c_hat[rows], p_fin[rows], mu_rem[rows] = life.c_hat, life.p_fin, life.mu_rem
+            support[rows] = bucket.n_observed_
+            for row in rows:
+                estimator[row] = EXACT_MATCH
+            self.hits_ += len(rows)
+        return Answer(ResidualLife(c_hat, p_fin, mu_rem), estimator, support)
+
+    @property
+    def hit_rate_(self) -> float:
+        return self.hits_ / self.queries_ if self.queries_ else 0.0
+
+
+ESTIMATORS = {SURVIVAL: SurvivalEstimator, EXACT_MATCH: ExactMatchEstimator}
+
+
+class LearnerPredictor:
+    """Adapts an estimator to the router's ``Predictor`` protocol (in-process, simulation).
+
+    It learns, in the order requests finish, only from what it is told has finished.
+    """
+
+    def __init__(self, estimator: SurvivalEstimator | ExactMatchEstimator) -> None:
+        self.estimator = estimator
+        self.name = estimator.name
+
+    def predict(self, batch, horizon: int):  # -> router_client.predictors.Prediction
+        from router_client.predictors import Prediction
+
+        answer = self.estimator.predict(batch.generated_tokens, batch.prompt_keys, horizon)
+        return Prediction(answer.life.c_hat)
+
+    def observe(self, finished) -> None:
+        self.estimator.partial_fit(
+            finished.output_tokens, ~np.asarray(finished.censored, dtype=bool),
+            finished.prompt_keys,
+        )

@@ -1,0 +1,152 @@
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router_client.admission import BalanceRouteParams, route_round
+from router_client.errors import ParameterError, UnknownPolicyError
+from router_client.fleet import FleetView, WaitingRequest
+from router_client.policies import BalanceRoutePolicy, make_policy
+
+ALL = ["random", "rr", "jsq", "p2c", "ltl", "br0", "brh-oracle"]
+
+
+def random_fleet(rng, workers, capacity, with_c_hat=True, horizon=80):
+    counts = rng.integers(0, capacity + 1, workers)
+    worker = np.repeat(np.arange(workers), counts)
+    size = rng.integers(1, 5000, worker.size).astype(float)
+    c_hat = rng.uniform(1, horizon, worker.size) if with_c_hat else None
+    return FleetView.from_active(workers, capacity, worker, size, c_hat)
+
+
+def random_pool(rng, n):
+    return [WaitingRequest(f"r{i}", int(s)) for i, s in enumerate(rng.integers(0, 6000, n))]
+
+
+@given(seed=st.integers(0, 2**32 - 1), workers=st.integers(1, 6), capacity=st.integers(1, 6),
+       pool_size=st.integers(0, 40), policy=st.sampled_from(ALL),
+       stage1=st.sampled_from(["auto", "paper", "best-pair"]))
+def test_round_invariants(seed, workers, capacity, pool_size, policy, stage1):
+    rng = np.random.default_rng(seed)
+    fleet = random_fleet(rng, workers, capacity)
+    pool = random_pool(rng, pool_size)
+    params = BalanceRouteParams(stage1=stage1, s_greedy=int(rng.integers(0, 8)))
+    decision = make_policy(policy, seed=seed, brh_params=params).route(fleet, pool)
+    indices = [a.pool_index for a in decision.assignments]
+    assert len(indices) == len(set(indices)), "a request assigned twice"
+    assert all(0 <= i < len(pool) for i in indices), "assigned a request not in the pool"
+    per_worker = np.bincount([a.worker for a in decision.assignments], minlength=workers)
+    assert np.all(fleet.active_counts + per_worker <= capacity), "a worker above B"
+    # work conservation: every policy fills what it can (the starvation guard ensures it)
+    free = int(fleet.free_slots.sum())
+    if policy in ("random", "rr", "jsq", "p2c", "ltl"):
+        assert len(indices) == min(free, pool_size)
+    else:
+        assert len(indices) >= min(1, free, pool_size)
+
+
+@given(seed=st.integers(0, 2**32 - 1), workers=st.integers(1, 8), capacity=st.integers(1, 8),
+       pool_size=st.integers(0, 30), stage1=st.sampled_from(["auto", "paper", "best-pair"]),
+       gamma=st.floats(0.1, 1.0))
+def test_brh_with_h0_alpha1_betaG_is_br0(seed, workers, capacity, pool_size, stage1, gamma):
+    rng = np.random.default_rng(seed)
+    fleet = random_fleet(rng, workers, capacity, with_c_hat=True)
+    without = FleetView(fleet.capacity, fleet.loads, fleet.active_counts, fleet.active_worker,
+                        fleet.active_size, None)
+    pool = random_pool(rng, pool_size)
+    br0 = BalanceRouteParams.br0(stage1=stage1)
+    brh = BalanceRouteParams(horizon=0, alpha=1.0, beta=float(workers), gamma=gamma,
+                             stage1=stage1)
+    want, _ = route_round(without, pool, br0)
+    got, _ = route_round(fleet, pool, brh)  # goes through the projection with c_hat
+    assert got == want
+
+
+def test_br0_forces_beta_equal_to_G():
+    fleet = random_fleet(np.random.default_rng(0), 4, 4)
+    pool = random_pool(np.random.default_rng(1), 3)
+    with pytest.raises(ParameterError, match="beta"):
+        route_round(fleet, pool, BalanceRouteParams(horizon=0, beta=5.0))
+    with pytest.raises(ParameterError, match="alpha"):
+        BalanceRouteParams(horizon=0, alpha=2.0)
+    assert BalanceRouteParams.br0().effective_beta(16) == 16.0
+
+
+@pytest.mark.parametrize("field, value", [("gamma", 0.0), ("gamma", 1.5), ("r_max", 0),
+                                          ("horizon", -1), ("stage1", "nope"), ("alpha", 0.0)])
+def test_params_validation_names_the_field(field, value):
+    with pytest.raises(ParameterError, match=field):
+        BalanceRouteParams(**{field: value})
+
+
+def test_brh_falls_back_to_br0_without_predictions():
+    rng = np.random.default_rng(3)
+    fleet = random_fleet(rng, 4, 8)
+    without = FleetView(fleet.capacity, fleet.loads, fleet.active_counts, fleet.active_worker,
+                        fleet.active_size, None)
+    pool = random_pool(rng, 12)
+    brh = BalanceRoutePolicy("brh-x", BalanceRouteParams())
+    br0 = BalanceRoutePolicy("br0", BalanceRouteParams.br0())
+    assert brh.route(without, pool).assignments == br0.route(without, pool).assignments
+    assert not brh.route(without, pool).stats.used_prediction
+
+
+def test_paper_stage1_picks_worker_with_most_free_slots_then_best_F():
+    # worker 0: 1 free slot, load 0; worker 1: 3 free slots, load 900 -> paper picks worker 1
+    fleet = FleetView.from_active(2, 3, np.array([0, 0, 1]), np.array([0.0, 0.0, 900.0]))
+    fleet = FleetView(3, np.array([0.0, 900.0]), np.array([2, 0]), fleet.active_worker,
+                      fleet.active_size)
+    pool = [WaitingRequest("a", 100), WaitingRequest("b", 50), WaitingRequest("c", 70)]
+    params = BalanceRouteParams.br0(stage1="paper", s_greedy=0)
+    got, stats = route_round(fleet, pool, params)
+    # worker 1 has margin 0: every request overflows; the smallest overflow (50) scores best
+    assert got[0].worker == 1 and got[0].pool_index == 1
+    assert stats.stage1_admissions == len(got)
+
+
+def test_auto_stage1_places_like_least_load_when_the_pool_is_short():
+    fleet = FleetView(4, np.array([3000.0, 100.0, 2000.0]), np.array([1, 1, 0]),
+                      np.array([0, 1]), np.array([3000.0, 100.0]))
+    pool = [WaitingRequest("a", 500)]
+    got, _ = route_round(fleet, pool, BalanceRouteParams.br0())
+    assert got[0].worker == 1  # the least loaded worker, not the one with most free slots
+    got, _ = route_round(fleet, pool, BalanceRouteParams.br0(stage1="paper"))
+    assert got[0].worker == 2  # paper rule: most free slots
+
+
+def test_stage2_and_starvation_guard():
+    # every worker is at the envelope (margin 0): F < 0 for any request, the guard admits one
+    fleet = FleetView(2, np.array([1000.0, 1000.0]), np.array([1, 1]), np.array([0, 1]),
+                      np.array([1000.0, 1000.0]))
+    pool = [WaitingRequest("a", 300), WaitingRequest("b", 100), WaitingRequest("c", 200)]
+    got, stats = route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=7))
+    assert stats.stage1_admissions == 0
+    assert stats.starvation_guard_admissions == 2
+    assert [a.pool_index for a in got] == [1, 2]  # smallest overflow first, then the next
+    assert all(a.starvation_guard for a in got)
+
+
+@pytest.mark.parametrize(
+    "policy, loads, counts, want",
+    [
+        ("jsq", [5.0, 1.0, 9.0], [3, 2, 1], 2),
+        ("ltl", [5.0, 1.0, 9.0], [3, 2, 1], 1),
+        ("rr", [5.0, 1.0, 9.0], [3, 2, 1], 0),
+    ],
+)
+def test_baselines_table(policy, loads, counts, want):
+    fleet = FleetView(4, np.array(loads), np.array(counts), np.zeros(0, int), np.zeros(0))
+    decision = make_policy(policy).route(fleet, [WaitingRequest("x", 10)])
+    assert decision.assignments[0].worker == want
+
+
+def test_round_robin_skips_full_workers_and_cycles():
+    fleet = FleetView(2, np.zeros(3), np.array([0, 2, 0]), np.zeros(0, int), np.zeros(0))
+    pool = [WaitingRequest(i, 1) for i in range(4)]
+    got = [a.worker for a in make_policy("rr").route(fleet, pool).assignments]
+    assert got == [0, 2, 0, 2]
+
+
+def test_unknown_policy():
+    with pytest.raises(UnknownPolicyError, match="nope"):
+        make_policy("nope")

@@ -1,0 +1,37 @@
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router_client.projection import projected_loads
+
+
+def direct_projection(workers, horizon, worker, size, c_hat):
+    out = np.zeros((workers, horizon + 1))
+    for g, s, c in zip(worker, size, np.clip(c_hat, 1, max(horizon, 1)), strict=True):
+        for h in range(horizon + 1):
+            out[g, h] += (s + h) * min(1.0, max(0.0, c - h))
+    return out
+
+
+@given(seed=st.integers(0, 2**32 - 1), workers=st.integers(1, 6), horizon=st.integers(0, 25),
+       n=st.integers(0, 30))
+def test_projection_equals_direct_loop(seed, workers, horizon, n):
+    rng = np.random.default_rng(seed)
+    worker = rng.integers(0, workers, n)
+    size = rng.integers(1, 1000, n).astype(float)
+    c_hat = rng.uniform(0, horizon, n)
+    np.testing.assert_allclose(
+        projected_loads(workers, horizon, worker, size, c_hat),
+        direct_projection(workers, horizon, worker, size, c_hat),
+        atol=1e-9,
+    )
+
+
+def test_h0_column_is_the_current_load_and_requests_grow():
+    # one request of size 100 that lives 3 more steps: 100, 101, 102, then gone
+    got = projected_loads(2, 5, np.array([1]), np.array([100.0]), np.array([3.0]))
+    np.testing.assert_allclose(got[1], [100, 101, 102, 0, 0, 0])
+    np.testing.assert_allclose(got[0], 0)
+    # a fractional life: half weight on the step after the whole ones
+    got = projected_loads(1, 3, np.array([0]), np.array([10.0]), np.array([1.5]))
+    np.testing.assert_allclose(got[0], [10, 5.5, 0, 0])

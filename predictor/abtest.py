@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from router_client.admission import BalanceRouteParams
 from router_client.errors import UnknownPolicyError
 from router_client.policies import BASELINES, make_policy
 from router_client.predictors import OraclePredictor, Predictor
@@ -71,9 +72,14 @@ def run_comparison(
     config: SimConfig,
     progress: Callable[[float, str], None] | None = None,
     predictor_factory: Callable[[str, Trace], Predictor | None] = make_predictor,
+    params: BalanceRouteParams | None = None,
 ) -> Comparison:
-    """Replay ``trace`` through every (workers, policy); rows in that order."""
+    """Replay ``trace`` through every (workers, policy); rows in that order.
+
+    ``params`` configures BR-0 and BR-H (its horizon is the simulation's ``config.horizon``).
+    """
     validate_policies(policies)
+    params = replace(params or BalanceRouteParams(), horizon=config.horizon)
     runs = [(g, p) for g in workers for p in policies]
     rows: list[dict] = []
     trajectories: dict[tuple[int, str], np.ndarray] = {}
@@ -84,7 +90,7 @@ def run_comparison(
             if progress is not None:
                 progress((number + fraction) / len(runs), label)
 
-        policy = make_policy(name, seed=config.seed)
+        policy = make_policy(name, seed=config.seed, brh_params=params)
         result: SimResult = simulate(
             trace, policy, replace(config, workers=g), predictor_factory(name, trace), report
         )

@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from router_client.admission import BalanceRouteParams
 from router_client.errors import BalanceRouteError
 from router_client.simulator import DEFAULT_STEP_COST, SimConfig
 from router_client.traces import FORMATS, load_trace
@@ -121,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--refresh-steps", type=int, default=10,
                     help="predictions refreshed every this many steps (default 10)")
     ab.add_argument("--seed", type=int, default=0)
+    ab.add_argument("--stage1", default="auto", choices=["auto", "paper", "best-pair"],
+                    help="BR Stage-1 rule: auto (default: best (worker, request) pair while the "
+                    "pool is short, the paper's most-free-slots rule at saturation), paper, "
+                    "best-pair")
     ab.add_argument("--out", type=Path, default=None, help="directory for CSV and PNG plots")
     ab.add_argument("--json", type=Path, default=None, help="write the result rows here")
     ab.add_argument("--predictor-url", default=None,
@@ -158,7 +163,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
         refresh_steps=args.refresh_steps, seed=args.seed, record_trajectory=args.out is not None,
     )
     comparison = abtest.run_comparison(
-        trace, args.policies, args.workers, config, Progress(not args.quiet)
+        trace, args.policies, args.workers, config, Progress(not args.quiet),
+        params=BalanceRouteParams(stage1=args.stage1),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

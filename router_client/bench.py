@@ -1,10 +1,10 @@
 """``balanceroute bench router``: time whole BR-H scheduling rounds.
 
 Fleet states are sampled from a simulated run (``synth:long``, decode-heavy like the paper's
-traces, saturated: ``--load backlog``, BR-H with oracle predictions) once the fleet is at
-least 90% full; each state's pool is the run's own pool, padded to ``pool`` waiting requests
-with prompts drawn from the same trace. Every round (projection, envelope, both stages,
-subset selection) is timed with ``perf_counter``.
+traces, saturated: ``--load backlog``, BR-H with oracle predictions) once at most 10% of the
+slots (or one) are free. Each state's pool is the run's own pool, padded to ``pool`` waiting
+requests with prompts drawn from the same trace. Every round (projection, envelope, both
+stages, subset selection) is timed with ``perf_counter``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class _Recorder:
 
     def route(self, fleet: FleetView, pool: list[WaitingRequest]) -> Decision:
         self.calls += 1
-        full = fleet.active_counts.sum() >= 0.9 * self.capacity_slots
+        full = fleet.free_slots.sum() <= max(1.0, 0.1 * self.capacity_slots)
         if full and fleet.active_c_hat is not None and self.calls % self.stride == 0:
             self.states.append((fleet, list(pool)))
         return self.inner.route(fleet, pool)

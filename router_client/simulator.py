@@ -85,9 +85,10 @@ class SimConfig:
 class SimResult:
     """One run: the API.md result row plus per-step series for plots."""
 
-    row: dict[str, float | int | str]
+    row: dict[str, float | int | str | None]
     loads: np.ndarray | None = None  # (steps, G) per-worker load, if recorded
-    step_time_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    admit_step: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    finish_step: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def arrival_steps(trace: Trace, config: SimConfig) -> np.ndarray:
@@ -306,7 +307,7 @@ def simulate(
     )
     row["sim_wall_s"] = round(perf_counter() - started, 3)
     traj = np.asarray(trajectory) if config.record_trajectory else None
-    return SimResult(row, traj)
+    return SimResult(row, traj, admit_step, finish_step)
 
 
 def _enqueue(pool: list[WaitingRequest], request: int, prompts: np.ndarray, trace: Trace,
@@ -333,16 +334,17 @@ def _record(weights, maxes, mins, sums, tokens, steps, weight, top, low, total, 
     steps.append(step)
 
 
-def _percentile(values: np.ndarray, q: float) -> float:
+def _percentile(values: np.ndarray, q: float, scale: float = 1.0) -> float | None:
+    """Percentile of the finite values; ``None`` (JSON null) when there are none."""
     values = values[np.isfinite(values)]
-    return float(np.percentile(values, q)) if values.size else float("nan")
+    return scale * float(np.percentile(values, q)) if values.size else None
 
 
 def _metrics(
     name, config, n, completed, clock, weight, top, low, total, tokens, steps,
     last_admission_step, enter_step, enter_clock, admit_step, first_token_clock, finish_clock,
     finish_step, outputs, guard_admissions, fallback_steps, final_step,
-) -> dict[str, float | int | str]:
+) -> dict[str, float | int | str | None]:
     a_cost, b_cost = config.step_cost
     G = config.workers
     window = steps <= last_admission_step
@@ -372,9 +374,9 @@ def _metrics(
         "balanced_bound_tok_s": (
             tokens_window / float((w * balanced_time[window]).sum()) if busy_time else 0.0
         ),
-        "tpot_p50_ms": 1000 * _percentile(tpot, 50),
-        "tpot_p95_ms": 1000 * _percentile(tpot, 95),
-        "ttft_p95_ms": 1000 * _percentile(ttft, 95),
+        "tpot_p50_ms": _percentile(tpot, 50, 1000.0),
+        "tpot_p95_ms": _percentile(tpot, 95, 1000.0),
+        "ttft_p95_ms": _percentile(ttft, 95, 1000.0),
         "pool_wait_p95_steps": _percentile(wait, 95),
         "starvation_guard_admissions": guard_admissions,
         "fallback_steps": fallback_steps,

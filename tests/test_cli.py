@@ -1,0 +1,95 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from predictor.cli import main
+
+API_FIELDS = {
+    "policy", "workers", "batch", "requests", "completed", "imbalance_maxmin_mean",
+    "imbalance_total_mean", "barrier_idle_fraction", "throughput_tok_s",
+    "balanced_bound_tok_s", "tpot_p50_ms", "tpot_p95_ms", "ttft_p95_ms", "pool_wait_p95_steps",
+    "starvation_guard_admissions", "fallback_steps", "drain_steps", "makespan_s", "sim_wall_s",
+}
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["ab", "--help"],
+                                  ["bench", "router", "--help"],
+                                  ["bench", "predictor", "--help"], ["demo", "--help"]])
+def test_every_command_has_help(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
+    assert "usage: balanceroute" in capsys.readouterr().out
+
+
+def test_ab_writes_rows_csv_and_plots(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["ab", "--trace", "synth:long:n=300", "--workers", "2,4", "--batch", "8",
+                 "--policies", "jsq,ltl,br0,brh-survival,brh-oracle", "--json",
+                 str(tmp_path / "rows.json"), "--out", str(out), "--quiet"])
+    assert code == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [(r["workers"], r["policy"]) for r in rows] == [
+        (g, p) for g in (2, 4) for p in ("jsq", "ltl", "br0", "brh-survival", "brh-oracle")
+    ]
+    for row in rows:
+        assert API_FIELDS <= set(row)
+        assert row["completed"] == 300
+        assert 0 < row["throughput_tok_s"] <= row["balanced_bound_tok_s"] * (1 + 1e-9)
+    text = capsys.readouterr().out
+    assert "x jsq" in text and "brh-oracle" in text
+    for name in ("results.csv", "trajectories_G2.png", "trajectories_G4.png",
+                 "throughput_imbalance.png"):
+        assert (out / name).stat().st_size > 0
+
+
+def test_ab_same_seed_same_rows(tmp_path):
+    argv = ["ab", "--trace", "synth:templated:n=300", "--workers", "2", "--batch", "8",
+            "--policies", "p2c,br0,brh-exactmatch", "--quiet", "--seed", "3", "--json"]
+    main([*argv, str(tmp_path / "a.json")])
+    main([*argv, str(tmp_path / "b.json")])
+    a, b = (json.loads((tmp_path / n).read_text()) for n in ("a.json", "b.json"))
+    for row in a + b:
+        row.pop("sim_wall_s")
+    assert a == b
+
+
+def test_malformed_trace_is_one_clear_error(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("arrival_s,prompt_tokens,output_tokens\n0,1,2\n1,two,3\n")
+    assert main(["ab", "--trace", str(bad), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "line 3" in err and "prompt_tokens" in err and "Traceback" not in err
+
+
+def test_unknown_policy_is_an_error(capsys):
+    assert main(["ab", "--trace", "synth:long:n=10", "--policies", "jsq,nope"]) == 1
+    assert "unknown policy 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["bench", "predictor"],
+                                  ["ab", "--trace", "synth:long:n=10",
+                                   "--predictor-url", "http://127.0.0.1:9"]])
+def test_commands_not_built_yet_say_so(argv, capsys):
+    assert main(argv) == 2
+    assert "does not exist yet" in capsys.readouterr().err
+
+
+def test_console_script_runs():
+    done = subprocess.run([sys.executable, "-m", "predictor.cli", "ab", "--trace",
+                           "synth:long:n=50", "--workers", "2", "--batch", "4", "--policies",
+                           "br0", "--quiet"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "br0" in done.stdout
+
+
+def test_bench_router_writes_api_fields(tmp_path):
+    path = tmp_path / "bench.json"
+    assert main(["bench", "router", "--workers", "2", "--batch", "4", "--pool", "16",
+                 "--rounds", "20", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert {"workers", "rmax", "pool", "rounds", "p50_ms", "p99_ms", "mean_ms",
+            "stage2_share"} <= set(result)
+    assert result["rounds"] == 20 and result["p50_ms"] <= result["p99_ms"]

@@ -1,0 +1,121 @@
+import numpy as np
+import pytest
+
+from router_client.errors import TraceError, TraceFormatError
+from router_client.synth import parse_spec, synthesize
+from router_client.traces import detect_format, load_trace, parse_trace
+
+
+def test_azure_trace_as_published(shared_traces):
+    trace = load_trace(str(shared_traces / "AzureLLMInferenceTrace_conv.csv"))
+    assert len(trace) == 19366  # includes the last line, which has no final newline
+    assert int(trace.censored.sum()) == 11  # the rows exactly at the 1000-token cap
+    assert trace.output_tokens.max() == 1000
+    assert trace.arrival_s[0] == 0.0
+    assert trace.arrival_s[-1] == pytest.approx(3501.72, abs=0.01)
+    assert np.all(np.diff(trace.arrival_s) >= 0)
+    assert trace.prompt_tokens.mean() == pytest.approx(1155, abs=1)
+
+
+def test_mooncake_trace_spreads_quantized_timestamps(shared_traces):
+    trace = load_trace(str(shared_traces / "conversation_trace.jsonl"))
+    assert len(trace) == 12031
+    assert int(trace.censored.sum()) == 30
+    assert np.all(np.diff(trace.arrival_s) >= 0)
+    # 1,180 distinct raw timestamps; after spreading, almost all arrivals are distinct
+    assert np.unique(trace.arrival_s).size > 12000
+    # the prompt key is the conversation: multi-turn requests share it
+    keys = [k for k in trace.prompt_keys if k is not None]
+    assert len(keys) == 12031 and len(set(keys)) < 0.8 * len(keys)
+
+
+def test_sharegpt_has_no_times(shared_traces):
+    trace = load_trace(str(shared_traces / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"),
+                       requests=500)
+    assert len(trace) == 500 and trace.arrival_s is None
+    full = load_trace(str(shared_traces / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"))
+    assert len(full) == 30731 and int(full.censored.sum()) == 4
+
+
+@pytest.mark.parametrize(
+    "text, fmt, line, fragment",
+    [
+        ("arrival_s,prompt_tokens,output_tokens\n0,1,2\n1,x,3\n", "csv", 3, "prompt_tokens"),
+        ("arrival_s,prompt_tokens,output_tokens\n0,1,2\n1,2\n", "csv", 3, "expected 3 fields"),
+        ("arrival_s,prompt_tokens,output_tokens\n0,1,0\n", "csv", 2, "output_tokens must be >= 1"),
+        ("arrival_s,prompt_tokens,output_tokens\n5,1,2\n1,1,2\n", "csv", 3, "backwards"),
+        ("arrival_s,prompt_tokens,output_tokens,finish_reason\n0,1,2,maybe\n", "csv", 2,
+         "finish_reason"),
+        ("arrival_s,prompt_tokens\n0,1\n", "csv", 1, "output_tokens"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,1,2\nyesterday,1,2\n",
+         "azure", 3, "TIMESTAMP"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 3}\n{"timestamp": 1\n',
+         "mooncake", 2, "not valid JSON"),
+        ('{"timestamp": 0, "input_length": 5}\n', "mooncake", 1, "output_length"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 3, "hash_ids": "x"}\n',
+         "mooncake", 1, "hash_ids"),
+        ('[1, 2]\n', "mooncake", 1, "JSON object"),
+        ("num_prefill_tokens,num_decode_tokens\n1,2\n3,-4\n", "sharegpt", 3, "num_decode_tokens"),
+    ],
+)
+def test_malformed_lines_name_the_line(text, fmt, line, fragment):
+    with pytest.raises(TraceFormatError) as caught:
+        parse_trace(text, fmt, "t.txt")
+    assert caught.value.line == line
+    assert fragment in str(caught.value)
+    assert f"t.txt, line {line}" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [("", "empty"), ("hello,world\n1,2\n", "cannot tell the format"),
+     ("arrival_s,prompt_tokens,output_tokens\n", "no requests")],
+)
+def test_unusable_files(text, fragment):
+    with pytest.raises(TraceError, match=fragment):
+        parse_trace(text, "auto", "t.txt")
+
+
+def test_detect_format():
+    assert detect_format("x", '{"timestamp": 0}') == "mooncake"
+    assert detect_format("x", "TIMESTAMP,ContextTokens,GeneratedTokens") == "azure"
+    assert detect_format("x", "num_prefill_tokens,num_decode_tokens,x") == "sharegpt"
+    assert detect_format("x", "arrival_s,prompt_tokens,output_tokens") == "csv"
+
+
+def test_generic_csv_keys_and_censoring():
+    text = ("arrival_s,prompt_tokens,output_tokens,prompt_key,finish_reason\n"
+            "0,10,5,a,stop\n0.5,11,6,,length\n1.0,12,7,b,cancelled\n")
+    trace = parse_trace(text)
+    assert trace.prompt_keys == ["a", None, "b"]
+    assert list(trace.censored) == [False, True, True]
+
+
+def test_missing_file_and_unknown_format(tmp_path):
+    with pytest.raises(TraceError, match="no such file"):
+        load_trace(str(tmp_path / "nope.csv"))
+    with pytest.raises(TraceError, match="unknown format"):
+        parse_trace("x", "parquet")
+
+
+def test_synthetic_workloads_match_their_documented_shape():
+    long = synthesize("synth:long")
+    assert len(long) == 10000
+    assert long.prompt_tokens.mean() == pytest.approx(3200, rel=0.05)
+    assert long.output_tokens.mean() == pytest.approx(1185, rel=0.05)
+    templated = synthesize("synth:templated:templates=8,n=2000")
+    assert len(set(templated.prompt_keys)) == 8
+    shift = synthesize("synth:shift:n=4000")
+    first, second = shift.output_tokens[:2000], shift.output_tokens[2000:]
+    assert second.mean() > 3 * first.mean()
+    assert np.array_equal(synthesize("synth:long:n=50,seed=3").output_tokens,
+                          synthesize("synth:long:n=50,seed=3").output_tokens)
+
+
+@pytest.mark.parametrize("spec, fragment", [("synth:nope", "unknown synthetic"),
+                                            ("synth:long:n=x", "must be a number"),
+                                            ("synth:long:bogus=1", "bad parameter"),
+                                            ("synth:long:n=1.5", "integer")])
+def test_bad_synth_specs(spec, fragment):
+    with pytest.raises(TraceError, match=fragment):
+        parse_spec(spec)

@@ -1,0 +1,141 @@
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from lifelines import KaplanMeierFitter
+
+from predictor.learners import (
+    EXACT_MATCH,
+    PRIOR,
+    SURVIVAL,
+    ExactMatchEstimator,
+    KaplanMeier,
+    NotFittedError,
+    SurvivalEstimator,
+    residual_life,
+)
+
+
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 400), top=st.integers(1, 300),
+       censor_rate=st.floats(0.0, 0.9))
+def test_kaplan_meier_matches_lifelines(seed, n, top, censor_rate):
+    rng = np.random.default_rng(seed)
+    durations = rng.integers(0, top, n)
+    events = rng.random(n) >= censor_rate
+    km = KaplanMeier().fit(durations, events)
+    reference = KaplanMeierFitter().fit(durations, events)
+    times = np.arange(0, top + 5)
+    want = reference.survival_function_at_times(times).to_numpy()
+    np.testing.assert_allclose(km.survival_at(times), want, atol=1e-9, rtol=0)
+
+
+def test_online_updates_equal_a_batch_fit():
+    rng = np.random.default_rng(5)
+    durations = rng.integers(0, 100, 1000)
+    events = rng.random(1000) > 0.2
+    online = KaplanMeier()
+    for chunk in range(0, 1000, 37):
+        online.partial_fit(durations[chunk:chunk + 37], events[chunk:chunk + 37])
+    np.testing.assert_array_equal(online.survival_, KaplanMeier().fit(durations, events).survival_)
+
+
+def test_window_keeps_exactly_the_most_recent_observations():
+    rng = np.random.default_rng(6)
+    durations = rng.integers(0, 60, 500)
+    events = rng.random(500) > 0.3
+    windowed = KaplanMeier(window=120)
+    for chunk in range(0, 500, 50):
+        windowed.partial_fit(durations[chunk:chunk + 50], events[chunk:chunk + 50])
+    recent = KaplanMeierFitter().fit(durations[-120:], events[-120:])
+    times = np.arange(0, 65)
+    np.testing.assert_allclose(windowed.survival_at(times),
+                               recent.survival_function_at_times(times).to_numpy(), atol=1e-9)
+    assert windowed.n_observed_ == 120
+
+
+def direct_residual(durations, events, a, horizon):
+    """c_hat, p_fin, mu_rem straight from lifelines' curve, one term at a time."""
+    reference = KaplanMeierFitter().fit(durations, events)
+
+    def S(t):
+        return float(reference.survival_function_at_times([t]).iloc[0])
+
+    s_a = S(a)
+    c = sum(S(a + h) / s_a for h in range(horizon))
+    p = 1 - S(a + horizon) / s_a
+    mu = (c - (1 - p) * horizon) / p if p > 0 else None
+    return c, p, mu
+
+
+@pytest.mark.parametrize("a, horizon", [(0, 10), (5, 20), (30, 80), (0, 1)])
+def test_residual_life_against_direct_computation(a, horizon):
+    rng = np.random.default_rng(7)
+    durations = rng.integers(1, 90, 300)
+    events = rng.random(300) > 0.25
+    km = KaplanMeier().fit(durations, events)
+    life = residual_life(km.survival_, np.array([a]), horizon)
+    c, p, mu = direct_residual(durations, events, a, horizon)
+    assert life.c_hat[0] == pytest.approx(c, abs=1e-9)
+    assert life.p_fin[0] == pytest.approx(p, abs=1e-9)
+    if mu is None:
+        assert np.isnan(life.mu_rem[0])
+    else:
+        assert life.mu_rem[0] == pytest.approx(mu, abs=1e-9)
+    # c = (1 - p) * H + p * mu, the decomposition of SPEC.md section 6
+    if mu is not None:
+        assert life.c_hat[0] == pytest.approx((1 - p) * horizon + p * mu)
+
+
+def test_residual_life_by_hand():
+    # every output is exactly 10 tokens: S(t) = 1 for t < 10, 0 after
+    km = KaplanMeier().fit([10] * 5, [True] * 5)
+    life = residual_life(km.survival_, np.array([0, 4, 9]), 80)
+    np.testing.assert_allclose(life.c_hat, [10, 6, 1])
+    np.testing.assert_allclose(life.p_fin, [1, 1, 1])
+    np.testing.assert_allclose(life.mu_rem, [10, 6, 1])
+
+
+def test_past_the_observed_range_is_the_conservative_prior():
+    km = KaplanMeier().fit([10, 20], [True, True])  # S hits 0 at 20
+    life = residual_life(km.survival_, np.array([25]), 50)
+    assert life.c_hat[0] == 50 and life.p_fin[0] == 0 and np.isnan(life.mu_rem[0])
+    # a censored longest observation: the curve stays flat above 0 beyond it
+    km = KaplanMeier().fit([10, 20], [True, False])
+    life = residual_life(km.survival_, np.array([30]), 50)
+    assert life.c_hat[0] == 50 and life.p_fin[0] == 0
+
+
+def test_no_history_gives_the_prior():
+    with pytest.raises(NotFittedError):
+        _ = KaplanMeier().survival_
+    answer = SurvivalEstimator().predict(np.array([0, 3]), None, 80)
+    assert answer.estimator == [PRIOR, PRIOR]
+    np.testing.assert_array_equal(answer.life.c_hat, [80, 80])
+    np.testing.assert_array_equal(answer.life.p_fin, [0, 0])
+
+
+def test_exact_match_uses_buckets_with_support_and_falls_back():
+    est = ExactMatchEstimator(window=0, min_support=3)
+    est.partial_fit(np.array([5, 5, 5, 100, 100]), np.ones(5, bool), ["a", "a", "a", "b", "b"])
+    answer = est.predict(np.array([0, 0, 0, 0]), ["a", "b", None, "zzz"], 80)
+    assert answer.estimator == [EXACT_MATCH, SURVIVAL, SURVIVAL, SURVIVAL]
+    assert answer.life.c_hat[0] == pytest.approx(5.0)  # bucket a: always 5 tokens
+    assert list(answer.support) == [3, 5, 5, 5]
+    assert est.hit_rate_ == pytest.approx(0.25)
+
+
+def test_exact_match_bucket_count_is_bounded():
+    est = ExactMatchEstimator(max_buckets=10, min_support=1)
+    for i in range(100):
+        est.partial_fit(np.array([i + 1]), np.array([True]), [f"k{i}"])
+    assert len(est.buckets_) == 10
+    assert list(est.buckets_)[-1] == "k99" and "k0" not in est.buckets_
+
+
+def test_windowed_survival_tracks_a_shift():
+    est = SurvivalEstimator(window=500)
+    est.partial_fit(np.full(2000, 10), np.ones(2000, bool))
+    before = est.predict(np.array([0]), None, 80).life.c_hat[0]
+    est.partial_fit(np.full(500, 60), np.ones(500, bool))
+    after = est.predict(np.array([0]), None, 80).life.c_hat[0]
+    assert before == pytest.approx(10) and after == pytest.approx(60)

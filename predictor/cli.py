@@ -145,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--json", type=Path, default=None)
     predictor = bench_sub.add_parser("predictor", help="time /v1/contributions")
     predictor.add_argument("--items", type=int, default=1024)
+    predictor.add_argument("--rounds", type=int, default=300)
     predictor.add_argument("--json", type=Path, default=None)
 
     sub.add_parser("demo", help="run the main job end to end on bundled data")
@@ -181,6 +182,19 @@ def cmd_ab(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .settings import Settings
+
+    settings = Settings()
+    if args.database_url:
+        settings = settings.model_copy(update={"database_url": args.database_url})
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "router":
         from router_client.bench import bench_router
@@ -192,9 +206,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
         return 0
-    print("error: bench predictor needs the prediction service, which does not exist yet "
-          "(issue 4)", file=sys.stderr)
-    return NOT_YET
+    from .bench import bench_predictor
+
+    result = bench_predictor(items=args.items, rounds=args.rounds)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -215,8 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "serve":
-            print("error: the prediction service does not exist yet (issue 4)", file=sys.stderr)
-            return NOT_YET
+            return cmd_serve(args)
         if args.command == "ab":
             return cmd_ab(args)
         if args.command == "bench":

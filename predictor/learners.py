@@ -227,7 +227,10 @@ class ExactMatchEstimator:
         return self
 
     def predict(self, generated: np.ndarray, keys: Sequence[str | None] | None,
-                horizon: int) -> Answer:
+                horizon: int, min_support: int | None = None) -> Answer:
+        """Bucket answers where a key has ``min_support`` observations (default: the
+        estimator's), the global curve elsewhere."""
+        needed = self.min_support if min_support is None else min_support
         generated = np.asarray(generated, dtype=np.int64)
         answer = self.fallback_.predict(generated, keys, horizon)
         if keys is None:
@@ -243,7 +246,7 @@ class ExactMatchEstimator:
         self.queries_ += len(keys)
         for key, rows in groups.items():
             bucket = self.buckets_.get(key)
-            if bucket is None or bucket.n_observed_ < self.min_support:
+            if bucket is None or bucket.n_observed_ < needed:
                 continue
             life = residual_life(bucket.survival_, generated[rows], horizon)
             c_hat[rows], p_fin[rows], mu_rem[rows] = life.c_hat, life.p_fin, life.mu_rem

@@ -1,0 +1,38 @@
+"""Tables. Only portable SQL types: the same schema runs on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import BigInteger, Boolean, DateTime, Index, Integer, String
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# SQLite only autoincrements INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
+BigIntId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Observation(Base):
+    """A finished request, as reported to ``POST /v1/observations``.
+
+    ``request_id`` is the idempotency key. ``prompt_key`` is the caller's key or the xxh3_64
+    hex of the prompt text (the text itself is never stored). ``batch`` is the model version
+    the observation's batch produced: replaying batches in order rebuilds the learners exactly.
+    """
+
+    __tablename__ = "observations"
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(128), unique=True, nullable=False)
+    prompt_key: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
+    output_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
+    finish_reason: Mapped[str] = mapped_column(String(16), nullable=False)
+    censored: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    completed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    batch: Mapped[int] = mapped_column(BigInteger, nullable=False)
+
+    __table_args__ = (Index("ix_observations_batch", "batch"),)

@@ -1,0 +1,92 @@
+"""``balanceroute bench predictor``: contributions latency and ingestion throughput.
+
+In process: ``PredictorService.contributions`` on ``items`` active requests (the learner
+trained on 20,000 observations of ``synth:templated``, so ExactMatch and Survival both answer).
+Over HTTP: the same query as JSON to a real uvicorn server on 127.0.0.1, one persistent
+connection. Ingestion: batches of 1000 observations posted over HTTP, each answered only after
+its SQLite commit.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from router_client.synth import synthesize
+
+from .livesrv import live_server
+from .service import PredictorService
+from .settings import Settings
+from .store import make_engine
+
+
+def _observations(n: int, offset: int, seed: int) -> list[dict]:
+    trace = synthesize(f"synth:templated:n={n},seed={seed}")
+    return [
+        {"request_id": f"r{offset + i}", "prompt_key": trace.prompt_keys[i],
+         "prompt_tokens": int(trace.prompt_tokens[i]), "output_tokens": int(trace.output_tokens[i]),
+         "finish_reason": "length" if trace.censored[i] else "stop"}
+        for i in range(n)
+    ]
+
+
+def _percentiles(seconds: list[float]) -> dict:
+    ms = np.asarray(seconds) * 1000
+    return {"p50_ms": round(float(np.percentile(ms, 50)), 4),
+            "p99_ms": round(float(np.percentile(ms, 99)), 4),
+            "mean_ms": round(float(ms.mean()), 4)}
+
+
+def bench_predictor(items: int = 1024, rounds: int = 300, ingest_batches: int = 20) -> dict:
+    import httpx
+
+    rng = np.random.default_rng(0)
+    query_trace = synthesize(f"synth:templated:n={items},seed=9")
+    generated = rng.integers(0, 400, items)
+    keys = list(query_trace.prompt_keys)
+    body = {"horizon": 80, "items": [
+        {"request_id": f"q{i}", "prompt_key": keys[i], "prompt_tokens": 1000,
+         "generated_tokens": int(generated[i])} for i in range(items)]}
+    training = _observations(20000, 0, 1)
+    result: dict = {"items": items, "rounds": rounds}
+    with tempfile.TemporaryDirectory() as tmp:
+        url = f"sqlite:///{Path(tmp) / 'bench.db'}"
+        service = PredictorService(Settings(database_url=url), make_engine(url))
+        service.load()
+        started = time.perf_counter()
+        for start in range(0, len(training), 1000):
+            service.ingest(training[start:start + 1000])
+        result["ingest_in_process_obs_per_s"] = round(len(training) /
+                                                      (time.perf_counter() - started))
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            service.contributions(generated, keys, 80)
+            times.append(time.perf_counter() - t0)
+        result["in_process"] = _percentiles(times)
+        service.engine.dispose()
+
+        http_url = f"sqlite:///{Path(tmp) / 'http.db'}"
+        with live_server(http_url) as base, httpx.Client(base_url=base, timeout=30) as client:
+            batches = [_observations(1000, 100000 + k * 1000, 100 + k)
+                       for k in range(ingest_batches)]
+            started = time.perf_counter()
+            for batch in batches:
+                client.post("/v1/observations", json={"observations": batch}).raise_for_status()
+            elapsed = time.perf_counter() - started
+            result["ingest_http_obs_per_s"] = round(ingest_batches * 1000 / elapsed)
+            times = []
+            headers = {"content-type": "application/json"}
+            for _ in range(rounds):  # as a router would: encode, post, decode the answer
+                t0 = time.perf_counter()
+                answer = client.post("/v1/contributions", content=orjson.dumps(body),
+                                     headers=headers)
+                answer.raise_for_status()
+                orjson.loads(answer.content)
+                times.append(time.perf_counter() - t0)
+            result["http"] = _percentiles(times)
+    return result

@@ -1,0 +1,56 @@
+"""Start ``balanceroute serve`` as a real uvicorn process on 127.0.0.1 (benchmarks, tests)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def live_server(database_url: str, port: int | None = None, env: dict[str, str] | None = None,
+                timeout_s: float = 30.0) -> Iterator[str]:
+    """Run the service in a subprocess; yields its base URL; stops it on exit."""
+    port = port or free_port()
+    environment = {**os.environ, **(env or {})}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "predictor.cli", "serve", "--host", "127.0.0.1", "--port",
+         str(port), "--database-url", database_url],
+        env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError("the service exited: " + process.stderr.read().decode()[-2000:])
+            try:
+                if httpx.get(url + "/readyz", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the service did not become ready within {timeout_s}s")
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            process.kill()
+            process.wait()
+        if process.stderr is not None:
+            process.stderr.close()

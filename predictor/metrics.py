@@ -1,0 +1,31 @@
+"""Prometheus metrics of one app (own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("balanceroute_http_requests_total", "HTTP requests",
+                                ["endpoint", "method", "status"], registry=r)
+        self.latency = Histogram(
+            "balanceroute_http_request_duration_seconds", "HTTP request latency",
+            ["endpoint", "method"], registry=r,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 2.5, 10),
+        )
+        self.ingested = Counter("balanceroute_observations_ingested_total",
+                                "observations stored", registry=r)
+        self.duplicates = Counter("balanceroute_observation_duplicates_total",
+                                  "observations ignored as already stored", registry=r)
+        self.items = Counter("balanceroute_contribution_items_total",
+                             "contribution items answered", ["estimator"], registry=r)
+        self.buckets = Gauge("balanceroute_exact_match_buckets", "ExactMatch buckets held",
+                             registry=r)
+        self.model_version = Gauge("balanceroute_model_version", "model version", registry=r)
+        self.hit_rate = Gauge("balanceroute_exact_match_hit_rate",
+                              "share of auto queries answered by ExactMatch", registry=r)
+        self.observations = Gauge("balanceroute_observations", "observations in the learners",
+                                  registry=r)

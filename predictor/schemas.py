@@ -1,0 +1,97 @@
+"""Request and response bodies of the REST API (API.md)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from router_client.traces import key_of_text
+
+# Lengths are bounded so that no input can blow up a learner's arrays or a 32-bit column.
+MAX_TOKENS = 1_048_576
+TokenCount = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKENS)]
+RequestId = Annotated[str, Field(min_length=1, max_length=128)]
+PromptKey = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class _Keyed(BaseModel):
+    """``prompt_key``, or the xxh3_64 hex of ``prompt`` (see :meth:`key`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_key: PromptKey | None = None
+    prompt: str | None = Field(None, repr=False, description="hashed, never stored or logged")
+
+    def key(self) -> str | None:
+        """The prompt key: the given one, else the hash of the text, else None."""
+        if self.prompt_key is None and self.prompt is not None:
+            return key_of_text(self.prompt)
+        return self.prompt_key
+
+
+class ObservationIn(_Keyed):
+    request_id: RequestId
+    prompt_tokens: TokenCount = 0
+    output_tokens: TokenCount
+    finish_reason: Literal["stop", "length", "cancelled", "error"] = "stop"
+    completed_at: datetime | None = None
+
+    @field_validator("completed_at")
+    @classmethod
+    def _aware(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)  # a naive time is taken as UTC
+        return value
+
+
+class ObservationsIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    observations: list[ObservationIn] = Field(
+        ..., description="at most BALANCEROUTE_MAX_OBSERVATIONS_PER_BATCH (default 10000)"
+    )
+
+
+class ObservationsOut(BaseModel):
+    accepted: int
+    duplicates: int
+
+
+class ContributionItem(_Keyed):
+    request_id: RequestId
+    prompt_tokens: TokenCount = 0
+    generated_tokens: TokenCount
+
+
+class ContributionsIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    horizon: Annotated[int, Field(strict=True, ge=1, le=4096)] | None = None
+    estimator: Literal["auto", "survival", "exact_match"] = "auto"
+    items: list[ContributionItem] = Field(
+        ..., description="at most BALANCEROUTE_MAX_ITEMS_PER_QUERY (default 65536)"
+    )
+
+
+class ContributionOut(BaseModel):
+    request_id: str
+    c_hat: float
+    p_fin: float
+    mu_rem: float | None
+    estimator: str
+    support: int
+
+
+class ContributionsOut(BaseModel):
+    horizon: int
+    model_version: int
+    drifted: bool
+    items: list[ContributionOut]
+
+
+class StatusOut(BaseModel):
+    model_version: int
+    observations: int
+    buckets: int
+    drifted: bool
+    uptime_s: float

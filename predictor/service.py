@@ -1,0 +1,153 @@
+"""The service's state and operations, free of HTTP: ingestion, contributions, rebuild.
+
+One :class:`PredictorService` per app. Ingestion is serialized by a lock: the batch is
+de-duplicated against the database, inserted and committed, and only then applied to the
+learners, so the learners always equal a replay of the committed batches in order (which is
+how they are rebuilt after a restart: exactly the same answers).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import numpy as np
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from . import store
+from .learners import EXACT_MATCH, SURVIVAL, ExactMatchEstimator
+from .settings import Settings
+
+CENSORING_REASONS = ("length", "cancelled", "error")
+ESTIMATOR_CHOICES = ("auto", SURVIVAL, EXACT_MATCH)
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    accepted: int
+    duplicates: int
+    model_version: int
+
+
+@dataclass(frozen=True)
+class ContributionAnswer:
+    c_hat: np.ndarray
+    p_fin: np.ndarray
+    mu_rem: np.ndarray
+    estimator: list[str]
+    support: np.ndarray
+    model_version: int
+
+
+class PredictorService:
+    def __init__(self, settings: Settings, engine: Engine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.sessions = sessionmaker(engine, expire_on_commit=False)
+        self.lock = threading.RLock()
+        self.started = time.monotonic()
+        self.loaded = False
+        self._reset_learners()
+
+    def _reset_learners(self) -> None:
+        s = self.settings
+        self.learner = ExactMatchEstimator(
+            window=s.history, min_support=s.exact_match_min_support,
+            max_buckets=s.exact_match_max_buckets, bucket_window=s.exact_match_bucket_window,
+        )
+        self.model_version = 0
+        self.observations = 0
+
+    def session(self) -> Session:
+        return self.sessions()
+
+    # -- start-up -------------------------------------------------------------------------
+    def load(self) -> None:
+        """Migrate the schema and rebuild the learners by replaying every stored batch."""
+        store.migrate(self.engine)
+        with self.lock, self.session() as session:
+            self._reset_learners()
+            pending: list = []
+            for rows in store.observations_in_order(session=session):
+                for row in rows:
+                    if pending and row[1] != pending[0][1]:
+                        self._apply(pending)
+                        pending = []
+                    pending.append(row)
+            if pending:
+                self._apply(pending)
+            self.model_version = store.latest_batch(session=session)
+            self.loaded = True
+
+    def _apply(self, rows: list) -> None:
+        durations = np.fromiter((r[2] for r in rows), dtype=np.int64, count=len(rows))
+        events = np.fromiter((not r[3] for r in rows), dtype=bool, count=len(rows))
+        self.learner.partial_fit(durations, events, [r[4] for r in rows])
+        self.observations += len(rows)
+
+    # -- operations -----------------------------------------------------------------------
+    def ingest(self, observations: list[dict]) -> IngestResult:
+        """Store the new observations (all or nothing) and learn from them.
+
+        Each dict has request_id, prompt_key, prompt_tokens, output_tokens, finish_reason and
+        completed_at. A request_id already stored, or repeated in the batch, is a duplicate.
+        """
+        with self.lock:
+            with self.session() as session:
+                ids = [o["request_id"] for o in observations]
+                stored = store.existing_request_ids(session=session, request_ids=ids)
+                seen: set[str] = set()
+                fresh: list[dict] = []
+                for obs in observations:
+                    rid = obs["request_id"]
+                    if rid in stored or rid in seen:
+                        continue
+                    seen.add(rid)
+                    fresh.append(obs)
+                if not fresh:
+                    return IngestResult(0, len(observations), self.model_version)
+                batch = self.model_version + 1
+                now = datetime.now(UTC)
+                rows = [
+                    {
+                        "request_id": o["request_id"],
+                        "prompt_key": o.get("prompt_key"),
+                        "prompt_tokens": o["prompt_tokens"],
+                        "output_tokens": o["output_tokens"],
+                        "finish_reason": o["finish_reason"],
+                        "censored": o["finish_reason"] in CENSORING_REASONS,
+                        "completed_at": o.get("completed_at") or now,
+                        "batch": batch,
+                    }
+                    for o in fresh
+                ]
+                store.insert_observations(session=session, rows=rows)
+                session.commit()  # durable before we answer or learn
+            self._apply([(None, batch, r["output_tokens"], r["censored"], r["prompt_key"])
+                         for r in rows])
+            self.model_version = batch
+            return IngestResult(len(fresh), len(observations) - len(fresh), batch)
+
+    def contributions(self, generated: np.ndarray, keys: list[str | None], horizon: int,
+                      estimator: str = "auto") -> ContributionAnswer:
+        """c_hat, p_fin, mu_rem for a batch of active requests."""
+        with self.lock:
+            if estimator == SURVIVAL:
+                answer = self.learner.fallback_.predict(generated, keys, horizon)
+            elif estimator == EXACT_MATCH:
+                answer = self.learner.predict(generated, keys, horizon, min_support=1)
+            else:
+                answer = self.learner.predict(generated, keys, horizon)
+            return ContributionAnswer(answer.life.c_hat, answer.life.p_fin, answer.life.mu_rem,
+                                      answer.estimator, answer.support, self.model_version)
+
+    @property
+    def buckets(self) -> int:
+        return len(self.learner.buckets_)
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self.started

@@ -1,0 +1,31 @@
+"""Service settings from the environment (prefix ``BALANCEROUTE_``), see API.md."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Every setting of the prediction service.
+
+    ``history``: how many of the most recent observations the estimates weigh (a sliding
+    window; ``0`` = every stored observation, plain Kaplan-Meier). 5000 is a few minutes of a
+    busy fleet's completions: enough for a stable curve up to the upper percentiles, short
+    enough that a workload change is forgotten after 5000 new completions.
+    ``exact_match_min_support``: a prompt key's bucket answers once it holds this many
+    observations (8: below that, a per-key curve is noisier than the global one).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="BALANCEROUTE_", extra="ignore")
+
+    database_url: str = "sqlite:///./balanceroute.db"
+    api_token: str | None = None
+    default_horizon: int = Field(80, ge=1, le=4096)
+    exact_match_min_support: int = Field(8, ge=1)
+    history: int = Field(5000, ge=0)
+    exact_match_max_buckets: int = Field(100_000, ge=1)
+    exact_match_bucket_window: int = Field(256, ge=1)
+    max_observations_per_batch: int = Field(10_000, ge=1)
+    max_items_per_query: int = Field(65_536, ge=1)
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)

@@ -1,0 +1,88 @@
+"""Data access: keyword-only functions that take the session explicitly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event, func, select, text
+from sqlalchemy.orm import Session
+
+import models
+from models import Observation
+
+MIGRATIONS = Path(models.__file__).resolve().parent.parent / "migrations"
+# SQLite allows 32766 bound parameters per statement in current builds, 999 in old ones.
+IN_CHUNK = 900
+
+
+def make_engine(url: str) -> Engine:
+    """An engine; SQLite gets WAL (durable commits that do not block readers)."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_connection, _record) -> None:  # pragma: no cover - driver hook
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=FULL")
+            cursor.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def migrate(engine: Engine) -> None:
+    """Bring the schema to the newest Alembic revision (from an empty database too)."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")
+
+
+def ping(*, session: Session) -> bool:
+    return session.execute(text("SELECT 1")).scalar() == 1
+
+
+def existing_request_ids(*, session: Session, request_ids: Sequence[str]) -> set[str]:
+    found: set[str] = set()
+    for start in range(0, len(request_ids), IN_CHUNK):
+        chunk = request_ids[start : start + IN_CHUNK]
+        found.update(
+            session.scalars(select(Observation.request_id).where(Observation.request_id.in_(chunk)))
+        )
+    return found
+
+
+def insert_observations(*, session: Session, rows: Sequence[dict]) -> None:
+    if rows:
+        session.execute(Observation.__table__.insert(), list(rows))
+
+
+def latest_batch(*, session: Session) -> int:
+    return int(session.scalar(select(func.coalesce(func.max(Observation.batch), 0))) or 0)
+
+
+def count_observations(*, session: Session) -> int:
+    return int(session.scalar(select(func.count()).select_from(Observation)) or 0)
+
+
+def observations_in_order(*, session: Session, chunk: int = 20000) -> Iterator[Sequence]:
+    """All observations as (batch, output_tokens, censored, prompt_key), in ingestion order."""
+    last_id = 0
+    while True:
+        rows = session.execute(
+            select(Observation.id, Observation.batch, Observation.output_tokens,
+                   Observation.censored, Observation.prompt_key)
+            .where(Observation.id > last_id)
+            .order_by(Observation.id)
+            .limit(chunk)
+        ).all()
+        if not rows:
+            return
+        last_id = rows[-1][0]
+        yield rows

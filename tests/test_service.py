@@ -1,0 +1,238 @@
+import json
+import logging
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import create_engine, text
+
+from predictor.app import create_app
+from predictor.settings import Settings
+from router_client.traces import key_of_text
+
+
+def make_settings(tmp_path, **overrides):
+    return Settings(database_url=f"sqlite:///{tmp_path / 'service.db'}", **overrides)
+
+
+@pytest.fixture
+def client(tmp_path):
+    with TestClient(create_app(make_settings(tmp_path))) as c:
+        yield c
+
+
+def obs(rid, out, reason="stop", key=None, **extra):
+    body = {"request_id": rid, "prompt_tokens": 100, "output_tokens": out,
+            "finish_reason": reason, **extra}
+    if key is not None:
+        body["prompt_key"] = key
+    return body
+
+
+def test_no_history_answers_the_conservative_prior(client):
+    got = client.post("/v1/contributions", json={"items": [
+        {"request_id": "r1", "generated_tokens": 0}, {"request_id": "r2", "generated_tokens": 9}]})
+    assert got.status_code == 200
+    body = got.json()
+    assert body["horizon"] == 80 and body["model_version"] == 0 and body["drifted"] is False
+    assert [i["request_id"] for i in body["items"]] == ["r1", "r2"]
+    for item in body["items"]:
+        assert item == {"request_id": item["request_id"], "c_hat": 80.0, "p_fin": 0.0,
+                        "mu_rem": None, "estimator": "prior", "support": 0}
+
+
+def test_learns_with_censoring_and_answers_in_order(client):
+    # outputs 10 (finished) and 20 (cut by max_tokens): S = 1 below 10, 0.5 from 10 on, flat
+    got = client.post("/v1/observations", json={"observations": [
+        obs("a", 10), obs("b", 20, "length")]})
+    assert got.json() == {"accepted": 2, "duplicates": 0}
+    body = client.post("/v1/contributions", json={"horizon": 80, "items": [
+        {"request_id": "x", "generated_tokens": 3}, {"request_id": "y", "generated_tokens": 30}]}
+    ).json()
+    x, y = body["items"]
+    assert x["c_hat"] == pytest.approx(7 + 73 * 0.5) and x["p_fin"] == pytest.approx(0.5)
+    assert x["mu_rem"] == pytest.approx(7.0) and x["estimator"] == "survival"
+    assert y["c_hat"] == 80 and y["p_fin"] == 0 and y["mu_rem"] is None
+    assert body["model_version"] == 1
+
+
+def test_exact_match_with_support_else_survival(tmp_path):
+    with TestClient(create_app(make_settings(tmp_path, exact_match_min_support=3))) as c:
+        c.post("/v1/observations", json={"observations": [
+            obs(f"t{i}", 5, key="tpl") for i in range(3)] + [obs(f"o{i}", 50) for i in range(3)]})
+        items = [{"request_id": "1", "prompt_key": "tpl", "generated_tokens": 0},
+                 {"request_id": "2", "prompt_key": "new", "generated_tokens": 0},
+                 {"request_id": "3", "prompt": "some text", "generated_tokens": 0}]
+        auto = c.post("/v1/contributions", json={"items": items}).json()["items"]
+        assert [i["estimator"] for i in auto] == ["exact_match", "survival", "survival"]
+        assert auto[0]["c_hat"] == pytest.approx(5.0) and auto[0]["support"] == 3
+        surv = c.post("/v1/contributions", json={"items": items, "estimator": "survival"})
+        assert {i["estimator"] for i in surv.json()["items"]} == {"survival"}
+        assert c.get("/v1/status").json()["buckets"] == 1
+
+
+def test_prompt_text_is_hashed_never_stored_or_logged(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    secret = "my secret prompt text 4f1c"
+    settings = make_settings(tmp_path, exact_match_min_support=1)
+    with TestClient(create_app(settings)) as c:
+        c.post("/v1/observations", json={"observations": [obs("s1", 7, prompt=secret)]})
+        got = c.post("/v1/contributions", json={"items": [
+            {"request_id": "q", "prompt": secret, "generated_tokens": 0}]}).json()
+        assert got["items"][0]["estimator"] == "exact_match"
+        bad = c.post("/v1/contributions", json={"items": [
+            {"request_id": "q", "prompt": secret, "generated_tokens": -1}]})
+        assert bad.status_code == 422 and secret not in bad.text
+    engine = create_engine(settings.database_url)
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT * FROM observations")).all()
+    engine.dispose()
+    assert rows and secret not in repr(rows)
+    assert any(key_of_text(secret) in repr(r) for r in rows)
+    assert secret not in caplog.text
+
+
+def test_idempotent_on_request_id(client):
+    first = client.post("/v1/observations", json={"observations": [obs("a", 5), obs("b", 6)]})
+    assert first.json() == {"accepted": 2, "duplicates": 0}
+    again = client.post("/v1/observations", json={"observations": [
+        obs("a", 5), obs("c", 7), obs("c", 7)]})
+    assert again.json() == {"accepted": 1, "duplicates": 2}
+    status = client.get("/v1/status").json()
+    assert status["observations"] == 3 and status["model_version"] == 2
+    only_dupes = client.post("/v1/observations", json={"observations": [obs("a", 5)]})
+    assert only_dupes.json() == {"accepted": 0, "duplicates": 1}
+    assert client.get("/v1/status").json()["model_version"] == 2
+
+
+def test_restart_answers_exactly_as_before(tmp_path):
+    settings = make_settings(tmp_path, exact_match_min_support=2, history=50,
+                             exact_match_max_buckets=4)
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    query = {"horizon": 40, "items": [
+        {"request_id": f"q{i}", "prompt_key": f"k{i % 7}", "generated_tokens": int(g)}
+        for i, g in enumerate(rng.integers(0, 120, 64))]}
+    with TestClient(create_app(settings)) as c:
+        for batch in range(12):
+            c.post("/v1/observations", json={"observations": [
+                obs(f"r{batch}-{i}", int(rng.integers(1, 150)),
+                    "length" if rng.random() < 0.2 else "stop", key=f"k{rng.integers(0, 7)}")
+                for i in range(int(rng.integers(1, 15)))]})
+        before = c.post("/v1/contributions", json=query).json()
+        status_before = c.get("/v1/status").json()
+    with TestClient(create_app(settings)) as c:
+        after = c.post("/v1/contributions", json=query).json()
+        status_after = c.get("/v1/status").json()
+    assert after == before
+    for key in ("model_version", "observations", "buckets"):
+        assert status_after[key] == status_before[key]
+    assert {i["estimator"] for i in before["items"]} >= {"exact_match", "survival"}
+
+
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/v1/observations", {"observations": [{"output_tokens": 5}]}, "request_id"),
+        ("/v1/observations", {"observations": [obs("x" * 129, 5)]}, "request_id"),
+        ("/v1/observations", {"observations": [obs("a", -1)]}, "output_tokens"),
+        ("/v1/observations", {"observations": [obs("a", 5.5)]}, "output_tokens"),
+        ("/v1/observations", {"observations": [obs("a", 10**12)]}, "output_tokens"),
+        ("/v1/observations", {"observations": [obs("a", 5, "done")]}, "finish_reason"),
+        ("/v1/observations", {"observations": [obs("a", 5, key="k" * 257)]}, "prompt_key"),
+        ("/v1/observations", {"observations": [obs("a", 5, completed_at="noon")]},
+         "completed_at"),
+        ("/v1/observations", {"observations": [obs("a", 5, colour="red")]}, "colour"),
+        ("/v1/observations", {"observations": "nope"}, "observations"),
+        ("/v1/contributions", {"horizon": 0, "items": []}, "horizon"),
+        ("/v1/contributions", {"horizon": 4097, "items": []}, "horizon"),
+        ("/v1/contributions", {"estimator": "magic", "items": []}, "estimator"),
+        ("/v1/contributions", {"items": [{"request_id": "a"}]}, "generated_tokens"),
+        ("/v1/contributions", {"items": [{"request_id": "a", "generated_tokens": True}]},
+         "generated_tokens"),
+    ],
+)
+def test_invalid_input_is_422_naming_the_field(client, path, body, field):
+    got = client.post(path, json=body)
+    assert got.status_code == 422
+    locs = [e["loc"] for e in got.json()["detail"]]
+    assert any(field in [str(p) for p in loc] for loc in locs), locs
+
+
+def test_malformed_json_is_422(client):
+    got = client.post("/v1/observations", content=b'{"observations": [',
+                      headers={"content-type": "application/json"})
+    assert got.status_code == 422
+
+
+def test_rejected_batch_stores_nothing(client):
+    got = client.post("/v1/observations", json={"observations": [obs("ok", 5), obs("bad", -5)]})
+    assert got.status_code == 422
+    assert got.json()["detail"][0]["loc"] == ["body", "observations", 1, "output_tokens"]
+    assert client.get("/v1/status").json()["observations"] == 0
+
+
+def test_limits_are_413(tmp_path):
+    settings = make_settings(tmp_path, max_observations_per_batch=3, max_items_per_query=2,
+                             max_body_bytes=4096)
+    with TestClient(create_app(settings)) as c:
+        many = c.post("/v1/observations", json={"observations": [obs(f"r{i}", 1)
+                                                                 for i in range(4)]})
+        assert many.status_code == 413 and "at most 3" in many.text
+        items = [{"request_id": str(i), "generated_tokens": 0} for i in range(3)]
+        assert c.post("/v1/contributions", json={"items": items}).status_code == 413
+        huge = c.post("/v1/observations", content=b"x" * 5000,
+                      headers={"content-type": "application/json"})
+        assert huge.status_code == 413
+        assert c.get("/v1/status").json()["observations"] == 0
+
+
+def test_token_guards_writes(tmp_path):
+    with TestClient(create_app(make_settings(tmp_path, api_token="s3cret"))) as c:
+        body = {"observations": [obs("a", 5)]}
+        assert c.post("/v1/observations", json=body).status_code == 401
+        wrong = c.post("/v1/observations", json=body, headers={"Authorization": "Bearer no"})
+        assert wrong.status_code == 401
+        right = c.post("/v1/observations", json=body,
+                       headers={"Authorization": "Bearer s3cret"})
+        assert right.status_code == 200
+        # reads stay open
+        assert c.post("/v1/contributions", json={"items": []}).status_code == 200
+
+
+def test_service_endpoints_and_metrics(client):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["database"] is True
+    client.post("/v1/observations", json={"observations": [obs("a", 5, key="k")]})
+    client.post("/v1/contributions", json={"items": [{"request_id": "a", "generated_tokens": 1}]})
+    metrics = client.get("/metrics").text
+    for name in ('balanceroute_http_requests_total{endpoint="/v1/observations",method="POST",'
+                 'status="200"} 1.0', "balanceroute_observations_ingested_total 1.0",
+                 "balanceroute_exact_match_buckets 1.0", "balanceroute_model_version 1.0",
+                 "balanceroute_exact_match_hit_rate", "balanceroute_http_request_duration"):
+        assert name in metrics
+    schema = client.get("/openapi.json").json()
+    assert "/v1/contributions" in schema["paths"]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10**20), 10**20) | st.floats() | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.sampled_from(["request_id", "observations", "items", "horizon",
+                                       "output_tokens", "generated_tokens", "prompt",
+                                       "prompt_key", "finish_reason", "estimator", "x"]),
+                      children, max_size=5),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=json_values, path=st.sampled_from(["/v1/observations", "/v1/contributions"]))
+def test_no_input_causes_a_server_error(client, body, path):
+    got = client.post(path, content=json.dumps(body, allow_nan=True),
+                      headers={"content-type": "application/json"})
+    assert got.status_code in (200, 413, 422), got.text

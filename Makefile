@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check predictor router_client models tests
+	$(BIN)/ruff check predictor router_client models migrations tests
 
 test: lint
 	$(BIN)/python -m pytest -q

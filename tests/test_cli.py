@@ -69,8 +69,7 @@ def test_unknown_policy_is_an_error(capsys):
     assert "unknown policy 'nope'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["serve"], ["bench", "predictor"],
-                                  ["ab", "--trace", "synth:long:n=10",
+@pytest.mark.parametrize("argv", [["ab", "--trace", "synth:long:n=10",
                                    "--predictor-url", "http://127.0.0.1:9"]])
 def test_commands_not_built_yet_say_so(argv, capsys):
     assert main(argv) == 2

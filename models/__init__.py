@@ -1,5 +1,5 @@
 """SQLAlchemy 2.x tables of the prediction service (typed ``Mapped[...]`` columns)."""
 
-from .tables import Base, Observation
+from .tables import Base, Observation, ScoredPrediction
 
-__all__ = ["Base", "Observation"]
+__all__ = ["Base", "Observation", "ScoredPrediction"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, Boolean, DateTime, Index, Integer, String
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, Index, Integer, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # SQLite only autoincrements INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
@@ -36,3 +36,25 @@ class Observation(Base):
     batch: Mapped[int] = mapped_column(BigInteger, nullable=False)
 
     __table_args__ = (Index("ix_observations_batch", "batch"),)
+
+
+class ScoredPrediction(Base):
+    """A prediction the service issued (or shadow-computed), scored against its outcome.
+
+    Kept for the calibration report and the loss-drift stream across restarts; the newest
+    ``BALANCEROUTE_CALIBRATION_CAPACITY`` rows are retained.
+    """
+
+    __tablename__ = "scored_predictions"
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(128), nullable=False)
+    estimator: Mapped[str] = mapped_column(String(32), nullable=False)
+    horizon: Mapped[int] = mapped_column(Integer, nullable=False)
+    generated_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
+    p_fin: Mapped[float] = mapped_column(Float, nullable=False)
+    c_hat: Mapped[float] = mapped_column(Float, nullable=False)
+    ended: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    realized: Mapped[float] = mapped_column(Float, nullable=False)
+    hit: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    scored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)

@@ -11,11 +11,11 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
 import orjson
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from .metrics import Metrics
+from .plots import reliability_png
 from .schemas import (
     ContributionsIn,
     ContributionsOut,
@@ -188,13 +189,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         items = body.items
         generated = np.fromiter((i.generated_tokens for i in items), np.int64, len(items))
         answer = service.contributions(generated, [i.key() for i in items], horizon,
-                                       body.estimator)
+                                       body.estimator, [i.request_id for i in items])
         for name in set(answer.estimator):
             metrics.items.labels(name).inc(answer.estimator.count(name))
         metrics.hit_rate.set(service.learner.hit_rate_)
         mu = [None if m != m else m for m in answer.mu_rem.tolist()]  # NaN -> null
         payload = {
-            "horizon": horizon, "model_version": answer.model_version, "drifted": False,
+            "horizon": horizon, "model_version": answer.model_version,
+            "drifted": answer.drifted,
             "items": [
                 {"request_id": item.request_id, "c_hat": c, "p_fin": p, "mu_rem": m,
                  "estimator": e, "support": s}
@@ -208,8 +210,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/v1/status", response_model=StatusOut, tags=["service"])
     def status(service: ServiceDep) -> StatusOut:
         return StatusOut(model_version=service.model_version, observations=service.observations,
-                         buckets=service.buckets, drifted=False,
+                         buckets=service.buckets, drifted=service.drift.drifted,
                          uptime_s=round(service.uptime_s, 3))
+
+    @app.get("/v1/calibration", tags=["calibration"])
+    def calibration(service: ServiceDep,
+                    horizon: Annotated[int | None, Query(ge=1, le=4096)] = None,
+                    estimator: Annotated[Literal["survival", "exact_match"] | None,
+                                         Query()] = None,
+                    window: Annotated[int | None, Query(ge=1)] = None) -> dict:
+        """How good the issued predictions were: per estimator, scored on the same traffic."""
+        report = service.calibration(horizon, estimator, window)
+        _refresh_calibration_gauges(report, metrics)
+        return report
+
+    @app.get("/v1/calibration.png", tags=["calibration"],
+             responses={200: {"content": {"image/png": {}}}})
+    def calibration_png(service: ServiceDep,
+                        horizon: Annotated[int | None, Query(ge=1, le=4096)] = None,
+                        estimator: Annotated[Literal["survival", "exact_match"] | None,
+                                             Query()] = None,
+                        window: Annotated[int | None, Query(ge=1)] = None) -> Response:
+        """The reliability diagram of the same data."""
+        report = service.calibration(horizon, estimator, window)
+        return Response(reliability_png(report), media_type="image/png")
 
     @app.get("/healthz", tags=["service"])
     def healthz() -> dict:
@@ -231,6 +255,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/metrics", tags=["service"])
     def prometheus_metrics() -> Response:
         _refresh_gauges(service, metrics)
+        _refresh_calibration_gauges(service.calibration(), metrics)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict:
@@ -253,3 +278,13 @@ def _refresh_gauges(service: PredictorService, metrics: Metrics) -> None:
     metrics.model_version.set(service.model_version)
     metrics.observations.set(service.observations)
     metrics.hit_rate.set(service.learner.hit_rate_)
+    metrics.drifted.set(1.0 if service.drift.drifted else 0.0)
+
+
+def _refresh_calibration_gauges(report: dict, metrics: Metrics) -> None:
+    if report["horizon"] is not None or report["window"] is not None:
+        return  # gauges describe the unfiltered report
+    for entry in report["estimators"]:
+        if entry["scored"]:
+            metrics.ece.labels(entry["estimator"]).set(entry["ece"])
+            metrics.brier.labels(entry["estimator"]).set(entry["brier"])

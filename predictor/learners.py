@@ -227,9 +227,10 @@ class ExactMatchEstimator:
         return self
 
     def predict(self, generated: np.ndarray, keys: Sequence[str | None] | None,
-                horizon: int, min_support: int | None = None) -> Answer:
+                horizon: int, min_support: int | None = None, count: bool = True) -> Answer:
         """Bucket answers where a key has ``min_support`` observations (default: the
-        estimator's), the global curve elsewhere."""
+        estimator's), the global curve elsewhere. ``count=False`` leaves the hit-rate counters
+        alone (shadow predictions)."""
         needed = self.min_support if min_support is None else min_support
         generated = np.asarray(generated, dtype=np.int64)
         answer = self.fallback_.predict(generated, keys, horizon)
@@ -243,7 +244,8 @@ class ExactMatchEstimator:
         for index, key in enumerate(keys):
             if key is not None:
                 groups.setdefault(key, []).append(index)
-        self.queries_ += len(keys)
+        if count:
+            self.queries_ += len(keys)
         for key, rows in groups.items():
             bucket = self.buckets_.get(key)
             if bucket is None or bucket.n_observed_ < needed:
@@ -253,7 +255,8 @@ class ExactMatchEstimator:
             support[rows] = bucket.n_observed_
             for row in rows:
                 estimator[row] = EXACT_MATCH
-            self.hits_ += len(rows)
+            if count:
+                self.hits_ += len(rows)
         return Answer(ResidualLife(c_hat, p_fin, mu_rem), estimator, support)
 
     @property

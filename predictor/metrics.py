@@ -27,5 +27,10 @@ class Metrics:
         self.model_version = Gauge("balanceroute_model_version", "model version", registry=r)
         self.hit_rate = Gauge("balanceroute_exact_match_hit_rate",
                               "share of auto queries answered by ExactMatch", registry=r)
+        self.ece = Gauge("balanceroute_calibration_ece", "expected calibration error of p_fin",
+                         ["estimator"], registry=r)
+        self.brier = Gauge("balanceroute_calibration_brier", "Brier score of p_fin",
+                           ["estimator"], registry=r)
+        self.drifted = Gauge("balanceroute_drifted", "1 while drift is flagged", registry=r)
         self.observations = Gauge("balanceroute_observations", "observations in the learners",
                                   registry=r)

@@ -18,6 +18,14 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from . import store
+from .calibration import (
+    CalibrationTracker,
+    DriftMonitor,
+    Pending,
+    Scored,
+    Shadow,
+    sampled,
+)
 from .learners import EXACT_MATCH, SURVIVAL, ExactMatchEstimator
 from .settings import Settings
 
@@ -40,6 +48,7 @@ class ContributionAnswer:
     estimator: list[str]
     support: np.ndarray
     model_version: int
+    drifted: bool = False
 
 
 class PredictorService:
@@ -60,13 +69,18 @@ class PredictorService:
         )
         self.model_version = 0
         self.observations = 0
+        self.tracker = CalibrationTracker(s.calibration_sample_rate, s.calibration_max_pending,
+                                          s.calibration_capacity)
+        self.drift = DriftMonitor(s.drift_delta, s.drift_clear_after)
 
     def session(self) -> Session:
         return self.sessions()
 
     # -- start-up -------------------------------------------------------------------------
     def load(self) -> None:
-        """Migrate the schema and rebuild the learners by replaying every stored batch."""
+        """Migrate the schema, rebuild the learners by replaying every stored batch, and the
+        calibration buffer and drift streams from the stored scored predictions. Pending
+        (not yet scored) predictions live in memory only and do not survive a restart."""
         store.migrate(self.engine)
         with self.lock, self.session() as session:
             self._reset_learners()
@@ -79,6 +93,10 @@ class PredictorService:
                     pending.append(row)
             if pending:
                 self._apply(pending)
+            for rows in store.scored_in_order(session=session):
+                for row in rows:
+                    self._add_scored(Scored(row[1], row[2], row[3], row[4], row[5], row[6],
+                                            row[7], row[8]), _iso(row[9]))
             self.model_version = store.latest_batch(session=session)
             self.loaded = True
 
@@ -87,6 +105,13 @@ class PredictorService:
         events = np.fromiter((not r[3] for r in rows), dtype=bool, count=len(rows))
         self.learner.partial_fit(durations, events, [r[4] for r in rows])
         self.observations += len(rows)
+        for row in rows:
+            self.drift.update_length(int(row[2]), _iso(row[5]))
+
+    def _add_scored(self, scored: Scored, when: str | None) -> None:
+        self.tracker.add_scored(scored)
+        if scored.estimator == EXACT_MATCH:  # the auto rule: what routers get by default
+            self.drift.update_loss((scored.p_fin - float(scored.ended)) ** 2, when)
 
     # -- operations -----------------------------------------------------------------------
     def ingest(self, observations: list[dict]) -> IngestResult:
@@ -126,14 +151,40 @@ class PredictorService:
                 ]
                 store.insert_observations(session=session, rows=rows)
                 session.commit()  # durable before we answer or learn
-            self._apply([(None, batch, r["output_tokens"], r["censored"], r["prompt_key"])
-                         for r in rows])
+            self._apply([(None, batch, r["output_tokens"], r["censored"], r["prompt_key"],
+                          r["completed_at"]) for r in rows])
             self.model_version = batch
+            self._score(rows)
             return IngestResult(len(fresh), len(observations) - len(fresh), batch)
 
+    def _score(self, rows: list[dict]) -> None:
+        """Score the pending predictions of these finished requests and store the scores."""
+        stored: list[dict] = []
+        for row in rows:
+            when = row["completed_at"]
+            for scored in self.tracker.resolve(row["request_id"], row["output_tokens"],
+                                               row["censored"]):
+                self._add_scored(scored, _iso(when))
+                stored.append({
+                    "request_id": row["request_id"], "estimator": scored.estimator,
+                    "horizon": scored.horizon, "generated_tokens": scored.generated,
+                    "p_fin": scored.p_fin, "c_hat": scored.c_hat, "ended": scored.ended,
+                    "realized": scored.realized, "hit": scored.hit, "scored_at": when,
+                })
+        if stored:
+            with self.session() as session:
+                store.insert_scored(session=session, rows=stored,
+                                    keep=self.settings.calibration_capacity)
+                session.commit()
+
     def contributions(self, generated: np.ndarray, keys: list[str | None], horizon: int,
-                      estimator: str = "auto") -> ContributionAnswer:
-        """c_hat, p_fin, mu_rem for a batch of active requests."""
+                      estimator: str = "auto",
+                      request_ids: list[str] | None = None) -> ContributionAnswer:
+        """c_hat, p_fin, mu_rem for a batch of active requests.
+
+        With ``request_ids``, a sample of the items is recorded for calibration, with every
+        estimator's prediction (shadow scoring).
+        """
         with self.lock:
             if estimator == SURVIVAL:
                 answer = self.learner.fallback_.predict(generated, keys, horizon)
@@ -141,8 +192,42 @@ class PredictorService:
                 answer = self.learner.predict(generated, keys, horizon, min_support=1)
             else:
                 answer = self.learner.predict(generated, keys, horizon)
+            if request_ids is not None and self.observations > 0:
+                self._record(request_ids, generated, keys, horizon)
             return ContributionAnswer(answer.life.c_hat, answer.life.p_fin, answer.life.mu_rem,
-                                      answer.estimator, answer.support, self.model_version)
+                                      answer.estimator, answer.support, self.model_version,
+                                      self.drift.drifted)
+
+    def _record(self, request_ids: list[str], generated: np.ndarray, keys: list[str | None],
+                horizon: int) -> None:
+        rate = self.settings.calibration_sample_rate
+        picks = [i for i, rid in enumerate(request_ids) if sampled(rid, int(generated[i]), rate)]
+        if not picks:
+            return
+        sub_generated = generated[picks]
+        sub_keys = [keys[i] for i in picks]
+        survival = self.learner.fallback_.predict(sub_generated, sub_keys, horizon)
+        exact = self.learner.predict(sub_generated, sub_keys, horizon, count=False)
+        for k, i in enumerate(picks):
+            shadows = (
+                Shadow(SURVIVAL, float(survival.life.p_fin[k]), float(survival.life.c_hat[k]),
+                       False),
+                Shadow(EXACT_MATCH, float(exact.life.p_fin[k]), float(exact.life.c_hat[k]),
+                       exact.estimator[k] == EXACT_MATCH),
+            )
+            self.tracker.record(request_ids[i], Pending(int(generated[i]), horizon, shadows))
+
+    def calibration(self, horizon: int | None = None, estimator: str | None = None,
+                    window: int | None = None) -> dict:
+        with self.lock:
+            return {
+                "horizon": horizon, "window": window,
+                "estimators": self.tracker.report(horizon, estimator, window),
+                "pending": self.tracker.pending_count,
+                "pending_dropped": self.tracker.dropped,
+                "sample_rate": self.settings.calibration_sample_rate,
+                "drift": self.drift.state(),
+            }
 
     @property
     def buckets(self) -> int:
@@ -151,3 +236,11 @@ class PredictorService:
     @property
     def uptime_s(self) -> float:
         return time.monotonic() - self.started
+
+
+def _iso(value: datetime | None) -> str | None:
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return value.isoformat()

@@ -15,6 +15,10 @@ class Settings(BaseSettings):
     enough that a workload change is forgotten after 5000 new completions.
     ``exact_match_min_support``: a prompt key's bucket answers once it holds this many
     observations (8: below that, a per-key curve is noisier than the global one).
+    ``calibration_sample_rate``: share of contribution items whose predictions are kept for
+    scoring (deterministic by request and tokens generated); ``calibration_capacity``: scored
+    predictions kept (memory and database); ``drift_delta``/``drift_clear_after``: ADWIN's
+    confidence and the hysteresis of the drift flag (see :mod:`predictor.calibration`).
     """
 
     model_config = SettingsConfigDict(env_prefix="BALANCEROUTE_", extra="ignore")
@@ -29,3 +33,8 @@ class Settings(BaseSettings):
     max_observations_per_batch: int = Field(10_000, ge=1)
     max_items_per_query: int = Field(65_536, ge=1)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    calibration_sample_rate: float = Field(0.1, ge=0.0, le=1.0)
+    calibration_max_pending: int = Field(200_000, ge=1)
+    calibration_capacity: int = Field(200_000, ge=1)
+    drift_delta: float = Field(0.002, gt=0.0, lt=1.0)
+    drift_clear_after: int = Field(5000, ge=1)

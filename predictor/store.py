@@ -7,11 +7,11 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event, func, select, text
+from sqlalchemy import Engine, create_engine, delete, event, func, select, text
 from sqlalchemy.orm import Session
 
 import models
-from models import Observation
+from models import Observation, ScoredPrediction
 
 MIGRATIONS = Path(models.__file__).resolve().parent.parent / "migrations"
 # SQLite allows 32766 bound parameters per statement in current builds, 999 in old ones.
@@ -72,14 +72,43 @@ def count_observations(*, session: Session) -> int:
 
 
 def observations_in_order(*, session: Session, chunk: int = 20000) -> Iterator[Sequence]:
-    """All observations as (batch, output_tokens, censored, prompt_key), in ingestion order."""
+    """All observations as (id, batch, output_tokens, censored, prompt_key, completed_at),
+    in ingestion order."""
     last_id = 0
     while True:
         rows = session.execute(
             select(Observation.id, Observation.batch, Observation.output_tokens,
-                   Observation.censored, Observation.prompt_key)
+                   Observation.censored, Observation.prompt_key, Observation.completed_at)
             .where(Observation.id > last_id)
             .order_by(Observation.id)
+            .limit(chunk)
+        ).all()
+        if not rows:
+            return
+        last_id = rows[-1][0]
+        yield rows
+
+
+def insert_scored(*, session: Session, rows: Sequence[dict], keep: int) -> None:
+    """Store scored predictions and drop all but the newest ``keep``."""
+    if not rows:
+        return
+    session.execute(ScoredPrediction.__table__.insert(), list(rows))
+    newest = session.scalar(select(func.max(ScoredPrediction.id))) or 0
+    session.execute(delete(ScoredPrediction).where(ScoredPrediction.id <= newest - keep))
+
+
+def scored_in_order(*, session: Session, chunk: int = 20000) -> Iterator[Sequence]:
+    """Stored scored predictions, oldest first."""
+    last_id = 0
+    while True:
+        rows = session.execute(
+            select(ScoredPrediction.id, ScoredPrediction.estimator, ScoredPrediction.horizon,
+                   ScoredPrediction.generated_tokens, ScoredPrediction.p_fin,
+                   ScoredPrediction.c_hat, ScoredPrediction.ended, ScoredPrediction.realized,
+                   ScoredPrediction.hit, ScoredPrediction.scored_at)
+            .where(ScoredPrediction.id > last_id)
+            .order_by(ScoredPrediction.id)
             .limit(chunk)
         ).all()
         if not rows:

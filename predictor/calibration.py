@@ -1,0 +1,298 @@
+"""Calibration of issued predictions, and drift detection (no web or database code).
+
+Recording: each contributions answer is *sampled* per item, deterministically by
+xxh3(request_id, generated_tokens) against ``sample_rate`` (so replicas and restarts agree),
+and for each sampled item every estimator's prediction is kept (shadow scoring: Survival and
+ExactMatch are compared on identical traffic). Pending records are bounded (``max_pending``;
+the oldest request is dropped first, and the drops are counted).
+
+Scoring: when a request's outcome arrives, each pending prediction made at ``a`` generated
+tokens with horizon H is scored against the remaining length ``r = output - a``: it ended
+within H iff ``r <= H``; the realized capped life is ``min(r, H)``. A censored outcome (cut,
+cancelled, error) with ``r < H`` leaves the question open and is excluded; with ``r >= H`` it
+is known not to have ended within H. Scored predictions live in columnar ring buffers
+(``capacity``), so a report over 100,000 of them is a few numpy passes.
+
+Drift: two streaming ADWIN detectors (river), one on the log output length of every
+observation and one on the Brier loss of the predictions routers actually get (the ``auto``
+rule). ADWIN keeps an adaptive window and flags a change in its mean with a bound on false
+alarms (``delta``); on 50,000 stationary samples of a heavy-tailed length distribution it
+raised none, and it caught the ``synth:shift`` change within a few dozen observations.
+Hysteresis: a stream stays drifted until ``clear_after`` further samples pass with no new
+detection (default 5000, the learners' history window: by then they have re-learned the new
+workload), so the flag does not flap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+from river import drift
+
+ESTIMATOR_CODES = {"survival": 0, "exact_match": 1}
+ESTIMATOR_NAMES = {code: name for name, code in ESTIMATOR_CODES.items()}
+
+
+def sampled(request_id: str, generated: int, rate: float) -> bool:
+    if rate >= 1.0:
+        return True
+    if rate <= 0.0:
+        return False
+    digest = xxhash.xxh3_64_intdigest(f"{request_id}\x00{generated}".encode())
+    return digest < rate * 2**64
+
+
+@dataclass(frozen=True)
+class Shadow:
+    """One estimator's prediction for one sampled item."""
+
+    estimator: str
+    p_fin: float
+    c_hat: float
+    hit: bool  # ExactMatch answered from the key's bucket (not the fallback)
+
+
+@dataclass(frozen=True)
+class Pending:
+    generated: int
+    horizon: int
+    shadows: tuple[Shadow, ...]
+
+
+@dataclass(frozen=True)
+class Scored:
+    estimator: str
+    horizon: int
+    generated: int
+    p_fin: float
+    c_hat: float
+    ended: bool
+    realized: float
+    hit: bool
+
+
+def score_outcome(pending: Pending, output_tokens: int, censored: bool) -> list[Scored]:
+    """Score one pending prediction against an outcome (empty if the outcome is open)."""
+    remaining = output_tokens - pending.generated
+    if remaining <= 0:
+        return []  # the outcome is not after the prediction: inconsistent, not scored
+    H = pending.horizon
+    if censored and remaining < H:
+        return []
+    ended = (not censored) and remaining <= H
+    realized = float(min(remaining, H))
+    return [Scored(s.estimator, H, pending.generated, s.p_fin, s.c_hat, ended, realized, s.hit)
+            for s in pending.shadows]
+
+
+class ScoredBuffer:
+    """Columnar ring buffer of scored predictions."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.estimator = np.zeros(capacity, dtype=np.int8)
+        self.horizon = np.zeros(capacity, dtype=np.int32)
+        self.p_fin = np.zeros(capacity)
+        self.c_hat = np.zeros(capacity)
+        self.ended = np.zeros(capacity, dtype=bool)
+        self.realized = np.zeros(capacity)
+        self.hit = np.zeros(capacity, dtype=bool)
+        self.seq = np.zeros(capacity, dtype=np.int64)
+        self.count = 0  # total ever added
+
+    def add(self, s: Scored) -> None:
+        i = self.count % self.capacity
+        self.estimator[i] = ESTIMATOR_CODES[s.estimator]
+        self.horizon[i] = s.horizon
+        self.p_fin[i] = s.p_fin
+        self.c_hat[i] = s.c_hat
+        self.ended[i] = s.ended
+        self.realized[i] = s.realized
+        self.hit[i] = s.hit
+        self.seq[i] = self.count
+        self.count += 1
+
+    def __len__(self) -> int:
+        return min(self.count, self.capacity)
+
+
+def reliability(p: np.ndarray, y: np.ndarray, bins: int = 10) -> tuple[list[dict], float]:
+    """Equal-width reliability bins over [0, 1] and the expected calibration error."""
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    index = np.clip(np.searchsorted(edges, p, side="right") - 1, 0, bins - 1)
+    out = []
+    ece = 0.0
+    n = p.size
+    for b in range(bins):
+        mask = index == b
+        count = int(mask.sum())
+        if count == 0:
+            out.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "mean_pred": None,
+                        "observed": None, "count": 0})
+            continue
+        mean_pred = float(p[mask].mean())
+        observed = float(y[mask].mean())
+        ece += count / n * abs(mean_pred - observed)
+        out.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "mean_pred": mean_pred,
+                    "observed": observed, "count": count})
+    return out, float(ece)
+
+
+def summarize(p: np.ndarray, y: np.ndarray, c: np.ndarray, realized: np.ndarray,
+              hit: np.ndarray, estimator: str, bins: int = 10) -> dict:
+    n = int(p.size)
+    if n == 0:
+        return {"estimator": estimator, "scored": 0, "brier": None, "ece": None,
+                "bins": reliability(p, y, bins)[0], "mae_c_hat": None,
+                "exact_match_hit_rate": None}
+    table, ece = reliability(p, y.astype(np.float64), bins)
+    return {
+        "estimator": estimator,
+        "scored": n,
+        "brier": float(np.mean((p - y) ** 2)),
+        "ece": ece,
+        "bins": table,
+        "mae_c_hat": float(np.mean(np.abs(c - realized))),
+        "exact_match_hit_rate": float(hit.mean()) if estimator == "exact_match" else None,
+    }
+
+
+@dataclass
+class StreamState:
+    """One drift stream: ADWIN plus hysteresis."""
+
+    name: str
+    delta: float
+    clear_after: int
+    detector: drift.ADWIN = field(init=False)
+    samples: int = 0
+    drifted: bool = False
+    since: int | None = None  # sample index of the detection that raised the flag
+    last_detection: int | None = None
+    detections: int = 0
+
+    def __post_init__(self) -> None:
+        self.detector = drift.ADWIN(delta=self.delta)
+
+    def update(self, value: float, rising_only: bool = False) -> bool:
+        before = self.detector.estimation
+        self.detector.update(value)
+        index = self.samples
+        self.samples += 1
+        fired = self.detector.drift_detected and (
+            not rising_only or self.detector.estimation > before
+        )
+        if fired:
+            self.detections += 1
+            self.last_detection = index
+            if not self.drifted:
+                self.drifted = True
+                self.since = index
+        elif self.drifted and self.last_detection is not None and (
+            index - self.last_detection >= self.clear_after
+        ):
+            self.drifted = False
+            self.since = None
+        return fired
+
+
+class DriftMonitor:
+    """Output-length and calibration-loss drift, with hysteresis."""
+
+    def __init__(self, delta: float = 0.002, clear_after: int = 5000) -> None:
+        self.length = StreamState("adwin:log_output_length", delta, clear_after)
+        self.loss = StreamState("adwin:brier_loss", delta, clear_after)
+        self.since_time: dict[str, str | None] = {"length": None, "loss": None}
+
+    def update_length(self, output_tokens: int, when: str | None = None) -> bool:
+        was = self.length.drifted
+        fired = self.length.update(math.log1p(max(0, output_tokens)))
+        if self.length.drifted and not was:
+            self.since_time["length"] = when
+        return fired
+
+    def update_loss(self, loss: float, when: str | None = None) -> bool:
+        was = self.loss.drifted
+        fired = self.loss.update(loss, rising_only=True)
+        if self.loss.drifted and not was:
+            self.since_time["loss"] = when
+        return fired
+
+    @property
+    def drifted(self) -> bool:
+        return self.length.drifted or self.loss.drifted
+
+    def state(self) -> dict:
+        active = [s for s in (self.length, self.loss) if s.drifted]
+        since = [self.since_time["length" if s is self.length else "loss"] for s in active]
+        return {
+            "drifted": bool(active),
+            "detector": ", ".join(s.name for s in active) or None,
+            "since": min((t for t in since if t), default=None),
+            "streams": {
+                s.name: {"drifted": s.drifted, "samples": s.samples, "detections": s.detections,
+                         "since_sample": s.since}
+                for s in (self.length, self.loss)
+            },
+        }
+
+
+class CalibrationTracker:
+    """Pending predictions by request, scored predictions, and the report."""
+
+    def __init__(self, sample_rate: float = 0.1, max_pending: int = 200_000,
+                 capacity: int = 200_000) -> None:
+        self.sample_rate = sample_rate
+        self.max_pending = max_pending
+        self.pending: OrderedDict[str, list[Pending]] = OrderedDict()
+        self.pending_count = 0
+        self.dropped = 0
+        self.scored = ScoredBuffer(capacity)
+
+    def record(self, request_id: str, pending: Pending) -> None:
+        entries = self.pending.get(request_id)
+        if entries is None:
+            entries = self.pending[request_id] = []
+        entries.append(pending)
+        self.pending_count += 1
+        while self.pending_count > self.max_pending and self.pending:
+            _, old = self.pending.popitem(last=False)
+            self.pending_count -= len(old)
+            self.dropped += len(old)
+
+    def resolve(self, request_id: str, output_tokens: int, censored: bool) -> list[Scored]:
+        entries = self.pending.pop(request_id, None)
+        if not entries:
+            return []
+        self.pending_count -= len(entries)
+        out: list[Scored] = []
+        for entry in entries:
+            out.extend(score_outcome(entry, output_tokens, censored))
+        return out
+
+    def add_scored(self, scored: Scored) -> None:
+        self.scored.add(scored)
+
+    def report(self, horizon: int | None = None, estimator: str | None = None,
+               window: int | None = None, bins: int = 10) -> list[dict]:
+        buf = self.scored
+        n = len(buf)
+        order = np.argsort(buf.seq[:n], kind="stable")
+        mask = np.ones(n, dtype=bool)
+        if horizon is not None:
+            mask &= buf.horizon[:n][order] == horizon
+        names = [estimator] if estimator else list(ESTIMATOR_CODES)
+        codes = buf.estimator[:n][order]
+        result = []
+        for name in names:
+            selected = order[mask & (codes == ESTIMATOR_CODES[name])]
+            if window is not None:
+                selected = selected[-window:]
+            result.append(summarize(buf.p_fin[selected], buf.ended[selected],
+                                    buf.c_hat[selected], buf.realized[selected],
+                                    buf.hit[selected], name, bins))
+        return result

@@ -90,3 +90,35 @@ def bench_predictor(items: int = 1024, rounds: int = 300, ingest_batches: int = 
                 times.append(time.perf_counter() - t0)
             result["http"] = _percentiles(times)
     return result
+
+
+def bench_calibration(scored: int = 100_000, rounds: int = 30) -> dict:
+    """Time the calibration report (and its PNG) over ``scored`` stored scored predictions."""
+    from .calibration import CalibrationTracker, Scored
+    from .plots import reliability_png
+
+    rng = np.random.default_rng(0)
+    tracker = CalibrationTracker(sample_rate=1.0, capacity=scored)
+    p = rng.random(scored)
+    ended = rng.random(scored) < p
+    for i in range(scored):
+        tracker.add_scored(Scored("survival" if i % 2 else "exact_match", 80 if i % 3 else 40,
+                                  int(i % 500), float(p[i]), float(80 * (1 - p[i])),
+                                  bool(ended[i]), float(rng.integers(1, 81)), bool(i % 5)))
+    result: dict = {"scored": scored, "rounds": rounds}
+    for label, kwargs in (("report", {}), ("report_horizon_window",
+                                           {"horizon": 80, "window": 10_000})):
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            tracker.report(**kwargs)
+            times.append(time.perf_counter() - t0)
+        result[label] = _percentiles(times)
+    report = {"estimators": tracker.report(), "horizon": None, "drift": {"drifted": False}}
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        reliability_png(report)
+        times.append(time.perf_counter() - t0)
+    result["png"] = _percentiles(times)
+    return result

@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     predictor.add_argument("--items", type=int, default=1024)
     predictor.add_argument("--rounds", type=int, default=300)
     predictor.add_argument("--json", type=Path, default=None)
+    calibration = bench_sub.add_parser("calibration",
+                                       help="time the calibration report over stored scores")
+    calibration.add_argument("--scored", type=int, default=100_000)
+    calibration.add_argument("--json", type=Path, default=None)
 
     sub.add_parser("demo", help="run the main job end to end on bundled data")
     return parser
@@ -206,9 +210,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
         return 0
-    from .bench import bench_predictor
+    from .bench import bench_calibration, bench_predictor
 
-    result = bench_predictor(items=args.items, rounds=args.rounds)
+    if args.bench == "calibration":
+        result = bench_calibration(scored=args.scored)
+    else:
+        result = bench_predictor(items=args.items, rounds=args.rounds)
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

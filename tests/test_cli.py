@@ -16,7 +16,8 @@ API_FIELDS = {
 
 @pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["ab", "--help"],
                                   ["bench", "router", "--help"],
-                                  ["bench", "predictor", "--help"], ["demo", "--help"]])
+                                  ["bench", "predictor", "--help"],
+                                  ["bench", "calibration", "--help"], ["demo", "--help"]])
 def test_every_command_has_help(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -92,3 +93,10 @@ def test_bench_router_writes_api_fields(tmp_path):
     assert {"workers", "rmax", "pool", "rounds", "p50_ms", "p99_ms", "mean_ms",
             "stage2_share"} <= set(result)
     assert result["rounds"] == 20 and result["p50_ms"] <= result["p99_ms"]
+
+
+def test_bench_calibration_small(tmp_path):
+    path = tmp_path / "cal.json"
+    assert main(["bench", "calibration", "--scored", "2000", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert result["scored"] == 2000 and result["report"]["p50_ms"] > 0

@@ -1,0 +1,201 @@
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from predictor.app import create_app
+from predictor.calibration import (
+    CalibrationTracker,
+    DriftMonitor,
+    Pending,
+    Scored,
+    Shadow,
+    reliability,
+    sampled,
+    score_outcome,
+    summarize,
+)
+from predictor.settings import Settings
+from router_client.synth import synthesize
+
+# Golden value: the observation index at which the length detector flags synth:shift
+# (n=20000, the distribution changes at index 10000). Pinned so a change of detector or
+# parameters is noticed.
+SHIFT_DETECTION_INDEX = 10015
+
+
+def test_stationary_stream_raises_no_drift():
+    outputs = synthesize("synth:long:n=50000,seed=11").output_tokens
+    monitor = DriftMonitor()
+    fired = [i for i, o in enumerate(outputs) if monitor.update_length(int(o))]
+    assert fired == []
+    assert not monitor.drifted
+
+
+def test_stationary_calibration_loss_raises_no_drift():
+    rng = np.random.default_rng(3)
+    p = rng.random(50000)
+    y = rng.random(50000) < p
+    monitor = DriftMonitor()
+    fired = [i for i in range(50000) if monitor.update_loss(float((p[i] - y[i]) ** 2))]
+    assert fired == []
+
+
+def test_shift_is_flagged_within_a_bounded_number_of_observations():
+    outputs = synthesize("synth:shift").output_tokens
+    monitor = DriftMonitor()
+    fired = [i for i, o in enumerate(outputs) if monitor.update_length(int(o))]
+    assert fired, "the shift was not detected"
+    assert all(i >= 10000 for i in fired), "a false alarm before the shift"
+    assert fired[0] - 10000 <= 200  # documented bound: within 200 observations
+    assert fired[0] == SHIFT_DETECTION_INDEX
+    assert monitor.length.last_detection == SHIFT_DETECTION_INDEX
+    assert not monitor.drifted  # 5000 quiet observations later the flag has cleared
+
+
+def test_hysteresis_holds_the_flag_then_clears_without_flapping():
+    outputs = synthesize("synth:shift").output_tokens
+    monitor = DriftMonitor(clear_after=3000)
+    states = []
+    for o in outputs:
+        monitor.update_length(int(o))
+        states.append(monitor.drifted)
+    states = np.asarray(states)
+    transitions = int(np.count_nonzero(np.diff(states.astype(int))))
+    assert states[SHIFT_DETECTION_INDEX] and not states[SHIFT_DETECTION_INDEX - 1]
+    last = monitor.length.last_detection
+    assert states[last + 2999] and not states[last + 3000]
+    assert transitions == 2  # up once, down once
+
+
+def test_score_outcome_cases():
+    pending = Pending(10, 50, (Shadow("survival", 0.7, 30.0, False),))
+    ended = score_outcome(pending, 40, censored=False)  # remaining 30 <= 50
+    assert ended[0].ended and ended[0].realized == 30
+    later = score_outcome(pending, 100, censored=False)  # remaining 90 > 50
+    assert not later[0].ended and later[0].realized == 50
+    assert score_outcome(pending, 40, censored=True) == []  # cut at 30 < H: open
+    cut_late = score_outcome(pending, 70, censored=True)  # cut at 60 >= H: did not end
+    assert not cut_late[0].ended and cut_late[0].realized == 50
+    assert score_outcome(pending, 10, censored=False) == []  # inconsistent: not after
+
+
+def test_calibration_figures_by_hand():
+    p = np.array([0.05, 0.15, 0.15, 0.95])
+    y = np.array([0, 1, 0, 1], dtype=bool)
+    c = np.array([10.0, 20.0, 30.0, 5.0])
+    realized = np.array([12.0, 20.0, 25.0, 5.0])
+    report = summarize(p, y, c, realized, np.array([1, 0, 1, 1], bool), "exact_match")
+    assert report["scored"] == 4
+    assert report["brier"] == pytest.approx((0.05**2 + 0.85**2 + 0.15**2 + 0.05**2) / 4)
+    bins = {round(b["lo"], 1): b for b in report["bins"] if b["count"]}
+    assert bins[0.0]["count"] == 1 and bins[0.0]["observed"] == 0.0
+    assert bins[0.1]["count"] == 2 and bins[0.1]["mean_pred"] == pytest.approx(0.15)
+    assert bins[0.1]["observed"] == 0.5 and bins[0.9]["observed"] == 1.0
+    want_ece = (1 * 0.05 + 2 * abs(0.15 - 0.5) + 1 * 0.05) / 4
+    assert report["ece"] == pytest.approx(want_ece)
+    assert report["mae_c_hat"] == pytest.approx((2 + 0 + 5 + 0) / 4)
+    assert report["exact_match_hit_rate"] == pytest.approx(0.75)
+
+
+def test_well_calibrated_scores_near_zero_biased_does_not():
+    rng = np.random.default_rng(8)
+    p = rng.random(20000)
+    y = rng.random(20000) < p
+    _, good = reliability(p, y.astype(float))
+    _, biased = reliability(p, (rng.random(20000) < p / 2).astype(float))
+    assert good < 0.02
+    assert biased > 0.2
+
+
+def test_tracker_bounds_and_windows():
+    tracker = CalibrationTracker(sample_rate=1.0, max_pending=3, capacity=5)
+    shadow = (Shadow("survival", 0.5, 10.0, False),)
+    for i in range(5):
+        tracker.record(f"r{i}", Pending(0, 20, shadow))
+    assert tracker.pending_count == 3 and tracker.dropped == 2
+    assert tracker.resolve("r0", 5, False) == []  # dropped, oldest first
+    for i in range(8):
+        tracker.add_scored(Scored("survival", 20, 0, i / 10, 1.0, bool(i % 2), 1.0, False))
+    report = tracker.report(estimator="survival")
+    assert report[0]["scored"] == 5  # capacity
+    assert tracker.report(estimator="survival", window=2)[0]["scored"] == 2
+    assert tracker.report(horizon=7)[0]["scored"] == 0
+
+
+def test_sampling_is_deterministic_and_near_the_rate():
+    picks = [sampled(f"r{i}", i % 50, 0.1) for i in range(20000)]
+    assert picks == [sampled(f"r{i}", i % 50, 0.1) for i in range(20000)]
+    assert 0.08 < np.mean(picks) < 0.12
+
+
+def settings_for(tmp_path, **overrides):
+    return Settings(database_url=f"sqlite:///{tmp_path / 'cal.db'}",
+                    calibration_sample_rate=1.0, exact_match_min_support=3, **overrides)
+
+
+def _drive(client, rng, n_requests, key_lengths, start=0):
+    """Ask for predictions of fresh requests, then report their outcomes."""
+    ids = [f"q{start + i}" for i in range(n_requests)]
+    keys = [f"k{i % len(key_lengths)}" for i in range(n_requests)]
+    generated = rng.integers(0, 5, n_requests)
+    client.post("/v1/contributions", json={"horizon": 20, "items": [
+        {"request_id": r, "prompt_key": k, "generated_tokens": int(g)}
+        for r, k, g in zip(ids, keys, generated, strict=True)]})
+    outputs = [int(key_lengths[i % len(key_lengths)] + rng.integers(5, 8))
+               for i in range(n_requests)]
+    client.post("/v1/observations", json={"observations": [
+        {"request_id": r, "prompt_key": k, "output_tokens": o}
+        for r, k, o in zip(ids, keys, outputs, strict=True)]})
+
+
+def test_calibration_endpoint_shadow_scores_both_estimators(tmp_path):
+    rng = np.random.default_rng(0)
+    with TestClient(create_app(settings_for(tmp_path))) as client:
+        # keys with very different lengths: one short (ends within H=20), one long (does not)
+        for round_ in range(6):
+            _drive(client, rng, 40, [3, 60], start=round_ * 40)
+        report = client.get("/v1/calibration").json()
+        by_name = {e["estimator"]: e for e in report["estimators"]}
+        assert set(by_name) == {"survival", "exact_match"}
+        assert by_name["survival"]["scored"] == by_name["exact_match"]["scored"] > 0
+        # ExactMatch knows which key is short: it must be better calibrated than Survival
+        assert by_name["exact_match"]["brier"] < by_name["survival"]["brier"]
+        assert by_name["exact_match"]["exact_match_hit_rate"] > 0.5
+        assert report["drift"]["drifted"] in (True, False)
+        only = client.get("/v1/calibration", params={"estimator": "survival", "window": 10})
+        assert [e["estimator"] for e in only.json()["estimators"]] == ["survival"]
+        assert only.json()["estimators"][0]["scored"] == 10
+        none = client.get("/v1/calibration", params={"horizon": 7}).json()
+        assert all(e["scored"] == 0 for e in none["estimators"])
+        png = client.get("/v1/calibration.png")
+        assert png.status_code == 200 and png.headers["content-type"] == "image/png"
+        assert png.content[:8] == b"\x89PNG\r\n\x1a\n"
+        assert client.get("/v1/calibration", params={"window": 0}).status_code == 422
+        assert client.get("/v1/calibration", params={"estimator": "x"}).status_code == 422
+        metrics = client.get("/metrics").text
+        assert 'balanceroute_calibration_ece{estimator="exact_match"}' in metrics
+        assert "balanceroute_drifted" in metrics
+        before = client.get("/v1/calibration").json()
+    with TestClient(create_app(settings_for(tmp_path))) as client:
+        after = client.get("/v1/calibration").json()
+    for key in ("estimators", "drift"):
+        assert after[key] == before[key]
+
+
+def test_shift_through_the_api_sets_drifted_everywhere(tmp_path):
+    outputs = synthesize("synth:shift").output_tokens
+    with TestClient(create_app(settings_for(tmp_path))) as client:
+        for start in range(0, 11000, 1000):
+            client.post("/v1/observations", json={"observations": [
+                {"request_id": f"o{i}", "output_tokens": int(outputs[i])}
+                for i in range(start, start + 1000)]})
+        status = client.get("/v1/status").json()
+        assert status["drifted"] is True
+        answer = client.post("/v1/contributions", json={"items": [
+            {"request_id": "z", "generated_tokens": 0}]}).json()
+        assert answer["drifted"] is True
+        drift = client.get("/v1/calibration").json()["drift"]
+        assert drift["drifted"] and drift["detector"] == "adwin:log_output_length"
+        assert drift["since"] is not None
+        assert drift["streams"]["adwin:log_output_length"]["since_sample"] == \
+            SHIFT_DETECTION_INDEX

@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -59,10 +59,29 @@ def make_predictor(policy: str, trace: Trace) -> Predictor | None:
     return LearnerPredictor(ESTIMATORS[estimator_key(policy)]())
 
 
+def http_predictor_factory(url: str, run_tag: str, timeout_s: float = 0.5,
+                           token: str | None = None) -> Callable[[str, Trace], Predictor | None]:
+    """BR-H policies query a running prediction service (the production code path);
+    ``brh-oracle`` keeps true lengths. Each run gets its own request-id prefix, so replays
+    do not collide on the service's idempotency key; the service keeps learning across them."""
+    from router_client.http_predictor import HttpPredictor
+
+    counter = iter(range(1_000_000))
+
+    def factory(policy: str, trace: Trace) -> Predictor | None:
+        if not policy.startswith("brh-") or policy == "brh-oracle":
+            return make_predictor(policy, trace)
+        return HttpPredictor(url, estimator_key(policy), timeout_s=timeout_s, token=token,
+                             id_prefix=f"{run_tag}-{next(counter)}-{policy}-")
+
+    return factory
+
+
 @dataclass
 class Comparison:
     rows: list[dict]
     trajectories: dict[tuple[int, str], np.ndarray]
+    switches: dict[tuple[int, str], list] = field(default_factory=dict)
 
 
 def run_comparison(
@@ -83,6 +102,7 @@ def run_comparison(
     runs = [(g, p) for g in workers for p in policies]
     rows: list[dict] = []
     trajectories: dict[tuple[int, str], np.ndarray] = {}
+    switches: dict[tuple[int, str], list] = {}
     for number, (g, name) in enumerate(runs):
         label = f"[{number + 1}/{len(runs)}] G={g} {name}"
 
@@ -91,15 +111,23 @@ def run_comparison(
                 progress((number + fraction) / len(runs), label)
 
         policy = make_policy(name, seed=config.seed, brh_params=params)
-        result: SimResult = simulate(
-            trace, policy, replace(config, workers=g), predictor_factory(name, trace), report
-        )
+        predictor = predictor_factory(name, trace)
+        try:
+            result: SimResult = simulate(trace, policy, replace(config, workers=g), predictor,
+                                         report)
+        finally:
+            close = getattr(predictor, "close", None)
+            if close is not None:
+                close()
+        result.row["fallback_switches"] = len(result.switches)
         rows.append(result.row)
+        if result.switches:
+            switches[(g, name)] = result.switches
         if result.loads is not None:
             trajectories[(g, name)] = result.loads
         log.info("%s done in %.1fs", label, result.row["sim_wall_s"])
     _add_ratios(rows)
-    return Comparison(rows, trajectories)
+    return Comparison(rows, trajectories, switches)
 
 
 def _add_ratios(rows: list[dict]) -> None:
@@ -127,6 +155,7 @@ TABLE_COLUMNS = [
     ("TTFT p95", "ttft_p95_ms", "{:>9.0f}"),
     ("guard", "starvation_guard_admissions", "{:>6}"),
     ("fallback", "fallback_steps", "{:>8}"),
+    ("switches", "fallback_switches", "{:>8}"),
     ("sim s", "sim_wall_s", "{:>6.1f}"),
 ]
 

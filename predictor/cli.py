@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -157,23 +158,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
-    if args.predictor_url:
-        print("error: --predictor-url needs the live predictor client, which does not exist "
-              "yet (issue 6)", file=sys.stderr)
-        return NOT_YET
     abtest.validate_policies(args.policies)
     trace = load_trace(args.trace, args.format, args.requests)
     config = SimConfig(
         batch=args.batch, load=args.load, step_cost=args.step_cost, horizon=args.horizon,
         refresh_steps=args.refresh_steps, seed=args.seed, record_trajectory=args.out is not None,
     )
+    factory = abtest.make_predictor
+    if args.predictor_url:
+        factory = abtest.http_predictor_factory(
+            args.predictor_url, run_tag=f"ab{int(time.time())}", token=os.environ.get(
+                "BALANCEROUTE_API_TOKEN"))
     comparison = abtest.run_comparison(
         trace, args.policies, args.workers, config, Progress(not args.quiet),
-        params=BalanceRouteParams(stage1=args.stage1),
+        predictor_factory=factory, params=BalanceRouteParams(stage1=args.stage1),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")
     print(abtest.format_table(comparison.rows))
+    if args.predictor_url:
+        print(f"BR-H predictions from {args.predictor_url}")
+    for (g, name), events in comparison.switches.items():
+        shown = ", ".join(f"step {s.step}: to {s.to.upper()} ({s.reason})" for s in events[:8])
+        more = f" (+{len(events) - 8} more)" if len(events) > 8 else ""
+        print(f"fallback events G={g} {name}: {shown}{more}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(comparison.rows, indent=1))
@@ -223,14 +231,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """Start the service on 127.0.0.1 (SQLite), replay the bundled trace with BR-H asking it
+    for predictions (it learns from the run's completions), print the A/B table."""
+    import httpx
+
+    from .livesrv import live_server
+
+    out = Path("demo-out")
+    out.mkdir(exist_ok=True)
+    database = out / "demo.db"
+    for stale in out.glob("demo.db*"):
+        stale.unlink()
     trace = str(bundled_trace())
-    print("BalanceRoute demo: A/B comparison on the bundled Azure 2023 conversation trace "
-          "(first 4000 requests, G = 8, B = 64, load 1.0)")
-    demo_args = build_parser().parse_args(
-        ["ab", "--trace", trace, "--requests", "4000", "--workers", "8", "--load", "1.0",
-         "--out", "demo-out", "--json", "demo-out/results.json"]
-    )
-    return cmd_ab(demo_args)
+    print("BalanceRoute demo: the prediction service on 127.0.0.1 (SQLite, demo-out/demo.db);")
+    print("A/B comparison on the bundled Azure 2023 conversation trace (first 4000 requests,")
+    print("G = 8, B = 64, load 1.0); brh-survival queries the live service, which learns from")
+    print("the run's completions (the trace has no prompt keys, so ExactMatch would equal it).")
+    with live_server(f"sqlite:///{database}") as url:
+        print(f"service ready at {url}")
+        demo_args = build_parser().parse_args(
+            ["ab", "--trace", trace, "--requests", "4000", "--workers", "8", "--load", "1.0",
+             "--policies", "rr,jsq,p2c,ltl,br0,brh-survival,brh-oracle",
+             "--out", str(out), "--json", str(out / "results.json"), "--predictor-url", url]
+        )
+        code = cmd_ab(demo_args)
+        status = httpx.get(url + "/v1/status").json()
+        report = httpx.get(url + "/v1/calibration").json()
+        (out / "calibration.png").write_bytes(httpx.get(url + "/v1/calibration.png").content)
+    print(f"service learned {status['observations']} observations "
+          f"(model version {status['model_version']}, drifted: {status['drifted']})")
+    for entry in report["estimators"]:
+        if entry["scored"]:
+            print(f"calibration {entry['estimator']}: {entry['scored']} scored, "
+                  f"Brier {entry['brier']:.3f}, ECE {entry['ece']:.3f}, "
+                  f"MAE c_hat {entry['mae_c_hat']:.1f}")
+    print(f"wrote {out / 'calibration.png'}")
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:

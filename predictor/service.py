@@ -71,7 +71,8 @@ class PredictorService:
         self.observations = 0
         self.tracker = CalibrationTracker(s.calibration_sample_rate, s.calibration_max_pending,
                                           s.calibration_capacity)
-        self.drift = DriftMonitor(s.drift_delta, s.drift_clear_after)
+        self.drift = DriftMonitor(s.drift_length_effect, s.drift_loss_effect,
+                                  s.drift_clear_after)
 
     def session(self) -> Session:
         return self.sessions()

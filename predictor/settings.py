@@ -17,8 +17,9 @@ class Settings(BaseSettings):
     observations (8: below that, a per-key curve is noisier than the global one).
     ``calibration_sample_rate``: share of contribution items whose predictions are kept for
     scoring (deterministic by request and tokens generated); ``calibration_capacity``: scored
-    predictions kept (memory and database); ``drift_delta``/``drift_clear_after``: ADWIN's
-    confidence and the hysteresis of the drift flag (see :mod:`predictor.calibration`).
+    predictions kept (memory and database); ``drift_length_effect``, ``drift_loss_effect``,
+    ``drift_clear_after``: the detectors' minimum effects and the hysteresis of the drift flag
+    (see :mod:`predictor.calibration`).
     """
 
     model_config = SettingsConfigDict(env_prefix="BALANCEROUTE_", extra="ignore")
@@ -36,5 +37,6 @@ class Settings(BaseSettings):
     calibration_sample_rate: float = Field(0.1, ge=0.0, le=1.0)
     calibration_max_pending: int = Field(200_000, ge=1)
     calibration_capacity: int = Field(200_000, ge=1)
-    drift_delta: float = Field(0.002, gt=0.0, lt=1.0)
+    drift_length_effect: float = Field(0.2, gt=0.0, le=1.0)
+    drift_loss_effect: float = Field(0.05, gt=0.0, le=1.0)
     drift_clear_after: int = Field(5000, ge=1)

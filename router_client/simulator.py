@@ -15,8 +15,10 @@ Predictions: a policy that needs them gets ``c_hat`` for every active request fr
 predictor, refreshed every ``refresh_steps`` steps; in between, the last answer is aged by
 the steps elapsed (``max(c_hat - elapsed, 1)``; an answer at the cap H stays at H, since
 "at least H" says nothing about when). Requests admitted since the last refresh count as
-``c_hat = H`` (the conservative prior) until the next. When the predictor has no answer or
-reports drift, the round runs as BR-0 and the step counts in ``fallback_steps``. Finished
+``c_hat = H`` (the conservative prior) until the next. A :class:`FallbackController` decides
+after each refresh whether BR-H may use predictions: a failed or drifted refresh switches to
+BR-0 at once, ``healthy_to_return`` healthy refreshes switch back. Routing rounds of a BR-H
+policy run as BR-0 meanwhile count in ``fallback_steps``. Finished
 requests are reported to the predictor at the end of the step they finish in, so it never sees
 a request before it ends.
 
@@ -32,6 +34,7 @@ from time import perf_counter
 import numpy as np
 
 from .errors import ParameterError
+from .fallback import FallbackController, Switch
 from .fleet import FleetView, WaitingRequest
 from .policies import Policy
 from .predictors import ActiveBatch, FinishedBatch, Predictor
@@ -45,6 +48,7 @@ DEFAULT_STEP_COST = (1.5e-7, 0.010)
 BACKLOG_DEPTH_PER_WORKER = 4
 
 ProgressCallback = Callable[[float], None]
+StepHook = Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class SimConfig:
     seed: int = 0
     pool_window: int = 1024
     record_trajectory: bool = False
+    healthy_to_return: int = 3
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -89,6 +94,8 @@ class SimResult:
     loads: np.ndarray | None = None  # (steps, G) per-worker load, if recorded
     admit_step: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     finish_step: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    switches: list[Switch] = field(default_factory=list)
+    fallback_rounds: list[int] = field(default_factory=list)  # steps routed as BR-0 by BR-H
 
 
 def arrival_steps(trace: Trace, config: SimConfig) -> np.ndarray:
@@ -114,8 +121,14 @@ def simulate(
     config: SimConfig,
     predictor: Predictor | None = None,
     progress: ProgressCallback | None = None,
+    step_hook: StepHook | None = None,
+    fallback: FallbackController | None = None,
 ) -> SimResult:
-    """Replay ``trace`` through ``policy``; returns the result row."""
+    """Replay ``trace`` through ``policy``; returns the result row.
+
+    ``step_hook(step)`` is called at the start of every step (tests use it to stop and start
+    a live prediction service mid-run).
+    """
     started = perf_counter()
     G, B = config.workers, config.batch
     a_cost, b_cost = config.step_cost
@@ -126,6 +139,8 @@ def simulate(
     backlog = isinstance(config.load, str)
     arrivals = None if backlog else arrival_steps(trace, config)
     use_predictions = policy.needs_predictions and predictor is not None
+    controller = fallback or FallbackController(config.healthy_to_return)
+    fallback_rounds: list[int] = []
 
     slots = G * B
     slot_req = np.full(slots, -1, dtype=np.int64)
@@ -166,6 +181,8 @@ def simulate(
     next_report = 0.0
 
     while True:
+        if step_hook is not None:
+            step_hook(step)
         # 1. arrivals into the pool
         if backlog:
             while len(pool) < BACKLOG_DEPTH_PER_WORKER * G and next_request < n:
@@ -194,11 +211,18 @@ def simulate(
                 [trace.prompt_keys[r] for r in slot_req[idx]],
             )
             prediction = predictor.predict(batch, H)
-            have_prediction = prediction.c_hat is not None and not prediction.drifted
-            if have_prediction:
-                assert prediction.c_hat is not None
+            if prediction.c_hat is None:
+                healthy, reason = False, "unavailable"
+            elif prediction.drifted:
+                healthy, reason = False, "drifted"
+            else:
+                healthy, reason = True, "ok"
+            if prediction.c_hat is not None and not prediction.drifted:
                 slot_chat[idx] = prediction.c_hat
                 slot_chat_step[idx] = step
+            have_prediction = controller.on_refresh(step, healthy, reason) and (
+                bool((slot_chat_step >= 0).any()) or not idx.size
+            )
 
         # 3. routing round
         if pool and free_total > 0:
@@ -212,6 +236,7 @@ def simulate(
                 c_hat = np.where(known, aged, float(H))
             elif policy.needs_predictions:
                 fallback_steps += 1
+                fallback_rounds.append(step)
             view = FleetView(
                 capacity=B,
                 loads=np.bincount(slot_worker[idx], weights=slot_size[idx], minlength=G),
@@ -307,7 +332,8 @@ def simulate(
     )
     row["sim_wall_s"] = round(perf_counter() - started, 3)
     traj = np.asarray(trajectory) if config.record_trajectory else None
-    return SimResult(row, traj, admit_step, finish_step)
+    return SimResult(row, traj, admit_step, finish_step, list(controller.switches),
+                     fallback_rounds)
 
 
 def _enqueue(pool: list[WaitingRequest], request: int, prompts: np.ndarray, trace: Trace,

@@ -94,6 +94,7 @@ class SimResult:
     loads: np.ndarray | None = None  # (steps, G) per-worker load, if recorded
     admit_step: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     finish_step: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    assigned_worker: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     switches: list[Switch] = field(default_factory=list)
     fallback_rounds: list[int] = field(default_factory=list)  # steps routed as BR-0 by BR-H
 
@@ -158,6 +159,7 @@ def simulate(
     finish_clock = np.full(n, np.nan)
     finish_step = np.full(n, -1, dtype=np.int64)
     assigned = np.zeros(n, dtype=bool)
+    assigned_worker = np.full(n, -1, dtype=np.int64)
 
     pool: list[WaitingRequest] = []
     next_request = 0
@@ -268,6 +270,7 @@ def simulate(
                             f"policy {policy.name} admitted request {request} twice"
                         )
                     assigned[request] = True
+                    assigned_worker[request] = assignment.worker
                     slot_req[slot] = request
                     slot_size[slot] = prompts[request]
                     slot_gen[slot] = 0
@@ -332,8 +335,8 @@ def simulate(
     )
     row["sim_wall_s"] = round(perf_counter() - started, 3)
     traj = np.asarray(trajectory) if config.record_trajectory else None
-    return SimResult(row, traj, admit_step, finish_step, list(controller.switches),
-                     fallback_rounds)
+    return SimResult(row, traj, admit_step, finish_step, assigned_worker,
+                     list(controller.switches), fallback_rounds)
 
 
 def _enqueue(pool: list[WaitingRequest], request: int, prompts: np.ndarray, trace: Trace,

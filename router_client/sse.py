@@ -111,6 +111,8 @@ class StreamTelemetry:
             finish = choice.get("finish_reason") or finish
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.generated = usage["completion_tokens"]
+            if self.finished is not None:  # usage comes in its own chunk after the finish
+                self.fleet.amend_outcome(self.request_id, self.generated)
         if self.finished is not None:
             return
         self.fleet.progress(self.request_id, self.generated, now)

@@ -211,6 +211,15 @@ class MirroredFleet:
         assert not (seen & set(self.ended)), "an ended request still active"
         assert not (set(self.pool) & set(self.ended)), "an ended request still waiting"
 
+    def amend_outcome(self, request_id: str, output_tokens: int) -> bool:
+        """A later, authoritative token count (an SSE ``usage`` after the finish chunk) for an
+        outcome not yet taken for reporting."""
+        for outcome in reversed(self.outcomes):
+            if outcome["request_id"] == request_id:
+                outcome["output_tokens"] = max(outcome["output_tokens"], int(output_tokens))
+                return True
+        return False
+
     def take_outcomes(self) -> list[dict]:
         out, self.outcomes = self.outcomes, []
         return out

@@ -70,11 +70,21 @@ def test_unknown_policy_is_an_error(capsys):
     assert "unknown policy 'nope'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["ab", "--trace", "synth:long:n=10",
-                                   "--predictor-url", "http://127.0.0.1:9"]])
-def test_commands_not_built_yet_say_so(argv, capsys):
-    assert main(argv) == 2
-    assert "does not exist yet" in capsys.readouterr().err
+def test_ab_with_an_unreachable_service_routes_as_br0(tmp_path, capsys):
+    from predictor.livesrv import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+    code = main(["ab", "--trace", "synth:long:n=200", "--workers", "2", "--batch", "8",
+                 "--policies", "br0,brh-survival", "--predictor-url", url, "--quiet",
+                 "--json", str(tmp_path / "rows.json")])
+    assert code == 0
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+    assert rows["brh-survival"]["completed"] == 200
+    assert rows["brh-survival"]["fallback_steps"] > 0
+    # routed entirely as BR-0: the same numbers
+    for key in ("throughput_tok_s", "imbalance_maxmin_mean", "makespan_s"):
+        assert rows["brh-survival"][key] == rows["br0"][key]
+    assert "to BR0 (unavailable)" in capsys.readouterr().out
 
 
 def test_console_script_runs():

@@ -1,0 +1,87 @@
+from pathlib import Path
+
+import pytest
+
+from router_client.sse import SSEParser, StreamTelemetry
+from router_client.state import MirroredFleet
+
+DATA = Path(__file__).parent / "data"
+
+
+def fleet_with(request_id="r1"):
+    fleet = MirroredFleet(2, 4)
+    fleet.enqueue(request_id, 12, 0.0)
+    fleet.dispatch(request_id, 1, 0.0)
+    return fleet
+
+
+@pytest.mark.parametrize("piece", [1, 7, 64, 10_000])
+def test_chat_stream_in_any_pieces(piece):
+    raw = (DATA / "chat_stream.txt").read_bytes()
+    fleet = fleet_with()
+    telemetry = StreamTelemetry(fleet, "r1")
+    for start in range(0, len(raw), piece):
+        telemetry.feed(raw[start:start + piece], 1.0)
+    assert telemetry.close(2.0) == "stop"
+    assert telemetry.done and telemetry.malformed == 0
+    assert telemetry.generated == 5  # usage.completion_tokens wins over the 4 counted deltas
+    assert "r1" not in fleet.active and not fleet.per_worker[1]
+    assert fleet.take_outcomes()[0]["output_tokens"] == 5
+
+
+def test_completions_stream_with_crlf_comments_and_length():
+    raw = (DATA / "completions_stream.txt").read_bytes()
+    fleet = fleet_with()
+    telemetry = StreamTelemetry(fleet, "r1")
+    telemetry.feed(raw, 1.0)
+    assert telemetry.finished == "length" and telemetry.generated == 4
+    assert fleet.ended["r1"] == "length"
+
+
+def test_progress_advances_while_streaming():
+    raw = (DATA / "chat_stream.txt").read_bytes()
+    fleet = fleet_with()
+    telemetry = StreamTelemetry(fleet, "r1")
+    events = raw.split(b"\n\n")
+    telemetry.feed(b"\n\n".join(events[:4]) + b"\n\n", 1.0)  # role chunk + 3 deltas
+    assert fleet.active["r1"].generated == 3
+
+
+def test_malformed_chunks_are_counted_and_skipped():
+    fleet = fleet_with()
+    telemetry = StreamTelemetry(fleet, "r1")
+    telemetry.feed(b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
+                   b"data: {not json\n\n"
+                   b'data: {"choices": "nope"}\n\n'
+                   b'data: {"choices": [7]}\n\n'
+                   b'data: [1, 2]\n\n'
+                   b'data: {"choices": [{"delta": {"content": "y"}, "finish_reason": "stop"}]}\n\n',
+                   1.0)
+    assert telemetry.malformed == 4
+    assert telemetry.generated == 2 and telemetry.finished == "stop"
+
+
+def test_stream_cut_midway_ends_as_error():
+    raw = (DATA / "chat_stream.txt").read_bytes()
+    fleet = fleet_with()
+    telemetry = StreamTelemetry(fleet, "r1")
+    telemetry.feed(raw[: len(raw) // 2], 1.0)
+    assert telemetry.close(2.0) == "error"
+    outcome = fleet.take_outcomes()[0]
+    assert outcome["finish_reason"] == "error" and outcome["output_tokens"] >= 1
+    assert not fleet.active
+
+
+def test_unknown_finish_reason_is_error_and_last_event_without_blank_line():
+    fleet = fleet_with()
+    telemetry = StreamTelemetry(fleet, "r1")
+    telemetry.feed(b'data: {"choices": [{"text": "a", "finish_reason": "content_filter"}]}', 1.0)
+    assert telemetry.finished is None  # the event is not complete yet
+    assert telemetry.close(2.0) == "error"
+    assert telemetry.generated == 1
+
+
+def test_parser_joins_multiline_data():
+    parser = SSEParser()
+    events = list(parser.feed(b"event: x\ndata: a\ndata: b\nid: 3\n\n"))
+    assert events == ["a\nb"]

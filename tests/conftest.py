@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,39 @@ settings.register_profile(
     "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile("ci")
+
+
+POSTGRES_URL = os.environ.get("BALANCEROUTE_TEST_POSTGRES_URL")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path) -> Iterator[str]:
+    """A fresh, empty database: SQLite in tmp_path, or a new PostgreSQL database.
+
+    PostgreSQL needs BALANCEROUTE_TEST_POSTGRES_URL (an admin URL; `.ci/run` starts a server
+    and sets it). Without it the PostgreSQL case is skipped on a developer machine and fails
+    in CI, so CI cannot go green without PostgreSQL.
+    """
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'test.db'}"
+        return
+    if not POSTGRES_URL:
+        if os.environ.get("CI"):
+            pytest.fail("BALANCEROUTE_TEST_POSTGRES_URL is not set in CI")
+        pytest.skip("no PostgreSQL (set BALANCEROUTE_TEST_POSTGRES_URL; .ci/run does)")
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"br_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
 
 
 @pytest.fixture

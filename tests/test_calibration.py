@@ -129,8 +129,12 @@ def test_sampling_is_deterministic_and_near_the_rate():
 
 
 def settings_for(tmp_path, **overrides):
-    return Settings(database_url=f"sqlite:///{tmp_path / 'cal.db'}",
-                    calibration_sample_rate=1.0, exact_match_min_support=3, **overrides)
+    return settings_at(f"sqlite:///{tmp_path / 'cal.db'}", **overrides)
+
+
+def settings_at(url, **overrides):
+    return Settings(database_url=url, calibration_sample_rate=1.0, exact_match_min_support=3,
+                    **overrides)
 
 
 def _drive(client, rng, n_requests, key_lengths, start=0):
@@ -148,9 +152,9 @@ def _drive(client, rng, n_requests, key_lengths, start=0):
         for r, k, o in zip(ids, keys, outputs, strict=True)]})
 
 
-def test_calibration_endpoint_shadow_scores_both_estimators(tmp_path):
+def test_calibration_endpoint_shadow_scores_both_estimators(database_url):
     rng = np.random.default_rng(0)
-    with TestClient(create_app(settings_for(tmp_path))) as client:
+    with TestClient(create_app(settings_at(database_url))) as client:
         # keys with very different lengths: one short (ends within H=20), one long (does not)
         for round_ in range(6):
             _drive(client, rng, 40, [3, 60], start=round_ * 40)
@@ -176,7 +180,7 @@ def test_calibration_endpoint_shadow_scores_both_estimators(tmp_path):
         assert 'balanceroute_calibration_ece{estimator="exact_match"}' in metrics
         assert "balanceroute_drifted" in metrics
         before = client.get("/v1/calibration").json()
-    with TestClient(create_app(settings_for(tmp_path))) as client:
+    with TestClient(create_app(settings_at(database_url))) as client:
         after = client.get("/v1/calibration").json()
     for key in ("estimators", "drift"):
         assert after[key] == before[key]

@@ -5,8 +5,8 @@ import httpx
 from predictor.livesrv import live_server
 
 
-def test_live_server_learns_and_answers_the_same_after_restart(tmp_path):
-    url = f"sqlite:///{tmp_path / 'live.db'}"
+def test_live_server_learns_and_answers_the_same_after_restart(database_url):
+    url = database_url
     observations = [
         {"request_id": f"r{i}", "prompt_key": "tpl-a" if i % 2 else "tpl-b",
          "prompt_tokens": 500, "output_tokens": 20 if i % 2 else 200,

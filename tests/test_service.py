@@ -16,6 +16,10 @@ def make_settings(tmp_path, **overrides):
     return Settings(database_url=f"sqlite:///{tmp_path / 'service.db'}", **overrides)
 
 
+def settings_at(url, **overrides):
+    return Settings(database_url=url, **overrides)
+
+
 @pytest.fixture
 def client(tmp_path):
     with TestClient(create_app(make_settings(tmp_path))) as c:
@@ -93,7 +97,12 @@ def test_prompt_text_is_hashed_never_stored_or_logged(tmp_path, caplog):
     assert secret not in caplog.text
 
 
-def test_idempotent_on_request_id(client):
+def test_idempotent_on_request_id(database_url):
+    with TestClient(create_app(settings_at(database_url))) as client:
+        _check_idempotency(client)
+
+
+def _check_idempotency(client):
     first = client.post("/v1/observations", json={"observations": [obs("a", 5), obs("b", 6)]})
     assert first.json() == {"accepted": 2, "duplicates": 0}
     again = client.post("/v1/observations", json={"observations": [
@@ -106,9 +115,9 @@ def test_idempotent_on_request_id(client):
     assert client.get("/v1/status").json()["model_version"] == 2
 
 
-def test_restart_answers_exactly_as_before(tmp_path):
-    settings = make_settings(tmp_path, exact_match_min_support=2, history=50,
-                             exact_match_max_buckets=4)
+def test_restart_answers_exactly_as_before(database_url):
+    settings = settings_at(database_url, exact_match_min_support=2, history=50,
+                           exact_match_max_buckets=4)
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -167,7 +176,12 @@ def test_malformed_json_is_422(client):
     assert got.status_code == 422
 
 
-def test_rejected_batch_stores_nothing(client):
+def test_rejected_batch_stores_nothing(database_url):
+    with TestClient(create_app(settings_at(database_url))) as client:
+        _check_rejected_batch(client)
+
+
+def _check_rejected_batch(client):
     got = client.post("/v1/observations", json={"observations": [obs("ok", 5), obs("bad", -5)]})
     assert got.status_code == 422
     assert got.json()["detail"][0]["loc"] == ["body", "observations", 1, "output_tokens"]

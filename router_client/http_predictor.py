@@ -67,13 +67,14 @@ class HttpPredictor:
         return Prediction(c_hat, drifted=self.drifted)
 
     def observe(self, finished: FinishedBatch) -> None:
+        reasons = finished.finish_reasons or [
+            "length" if c else "stop" for c in finished.censored.tolist()]
         self.reporter.add([
             {"request_id": f"{self.id_prefix}{rid}", "prompt_key": key,
-             "prompt_tokens": int(p), "output_tokens": int(o),
-             "finish_reason": "length" if c else "stop"}
-            for rid, key, p, o, c in zip(finished.request_ids.tolist(), finished.prompt_keys,
-                                         finished.prompt_tokens, finished.output_tokens,
-                                         finished.censored, strict=True)
+             "prompt_tokens": int(p), "output_tokens": int(o), "finish_reason": reason}
+            for rid, key, p, o, reason in zip(finished.request_ids.tolist(),
+                                              finished.prompt_keys, finished.prompt_tokens,
+                                              finished.output_tokens, reasons, strict=True)
         ])
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ class FinishedBatch:
     output_tokens: np.ndarray
     censored: np.ndarray
     prompt_keys: list[str | None]
+    finish_reasons: list[str] | None = None  # stop | length | cancelled | error, when known
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ workload), so the flag does not flap.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -301,36 +301,89 @@ class DriftMonitor:
 
 
 class CalibrationTracker:
-    """Pending predictions by request, scored predictions, and the report."""
+    """Pending predictions by request, scored predictions, and the report.
+
+    Pending predictions live in columnar numpy arrays used as a ring of ``max_pending`` slots
+    (a request maps to a tuple of slot numbers): no per-prediction Python objects, so a full
+    buffer costs the garbage collector nothing and recording stays off the latency tail. When
+    the ring wraps, the oldest pending prediction is dropped and counted.
+    """
 
     def __init__(self, sample_rate: float = 0.1, max_pending: int = 200_000,
                  capacity: int = 200_000) -> None:
         self.sample_rate = sample_rate
         self.max_pending = max_pending
-        self.pending: OrderedDict[str, list[Pending]] = OrderedDict()
+        width = len(ESTIMATOR_CODES)
+        self.slot_owner = np.full(max_pending, None, dtype=object)
+        self.slot_generated = np.zeros(max_pending, dtype=np.int64)
+        self.slot_horizon = np.zeros(max_pending, dtype=np.int32)
+        self.slot_p = np.zeros((max_pending, width))
+        self.slot_c = np.zeros((max_pending, width))
+        self.slot_has = np.zeros((max_pending, width), dtype=bool)
+        self.slot_hit = np.zeros(max_pending, dtype=bool)
+        self.pending: dict[str, tuple[int, ...]] = {}
         self.pending_count = 0
         self.dropped = 0
+        self.next_slot = 0
         self.scored = ScoredBuffer(capacity)
 
-    def record(self, request_id: str, pending: Pending) -> None:
-        entries = self.pending.get(request_id)
-        if entries is None:
-            entries = self.pending[request_id] = []
-        entries.append(pending)
+    def _take_slot(self, request_id: str) -> int:
+        slot = self.next_slot % self.max_pending
+        self.next_slot += 1
+        if self.slot_owner[slot] is not None:
+            self.pending_count -= 1
+            self.dropped += 1
+        self.slot_owner[slot] = request_id
+        self.pending[request_id] = (*self.pending.get(request_id, ()), slot)
         self.pending_count += 1
-        while self.pending_count > self.max_pending and self.pending:
-            _, old = self.pending.popitem(last=False)
-            self.pending_count -= len(old)
-            self.dropped += len(old)
+        return slot
+
+    def record(self, request_id: str, pending: Pending) -> None:
+        slot = self._take_slot(request_id)
+        self.slot_generated[slot] = pending.generated
+        self.slot_horizon[slot] = pending.horizon
+        self.slot_has[slot] = False
+        self.slot_hit[slot] = False
+        for shadow in pending.shadows:
+            code = ESTIMATOR_CODES[shadow.estimator]
+            self.slot_p[slot, code] = shadow.p_fin
+            self.slot_c[slot, code] = shadow.c_hat
+            self.slot_has[slot, code] = True
+            self.slot_hit[slot] |= shadow.hit
+
+    def record_batch(self, request_ids: list[str], generated: np.ndarray, horizon: int,
+                     p_fin: dict[str, np.ndarray], c_hat: dict[str, np.ndarray],
+                     hit: np.ndarray) -> None:
+        """Record sampled items at once: one column per estimator."""
+        slots = np.fromiter((self._take_slot(r) for r in request_ids), dtype=np.int64,
+                            count=len(request_ids))
+        self.slot_generated[slots] = generated
+        self.slot_horizon[slots] = horizon
+        self.slot_has[slots] = False
+        for name, code in ESTIMATOR_CODES.items():
+            if name in p_fin:
+                self.slot_p[slots, code] = p_fin[name]
+                self.slot_c[slots, code] = c_hat[name]
+                self.slot_has[slots, code] = True
+        self.slot_hit[slots] = hit
 
     def resolve(self, request_id: str, output_tokens: int, censored: bool) -> list[Scored]:
-        entries = self.pending.pop(request_id, None)
-        if not entries:
+        slots = self.pending.pop(request_id, None)
+        if not slots:
             return []
-        self.pending_count -= len(entries)
         out: list[Scored] = []
-        for entry in entries:
-            out.extend(score_outcome(entry, output_tokens, censored))
+        for slot in slots:
+            if self.slot_owner[slot] != request_id:
+                continue  # overwritten by a newer prediction: already counted as dropped
+            self.slot_owner[slot] = None
+            self.pending_count -= 1
+            shadows = tuple(
+                Shadow(name, float(self.slot_p[slot, code]), float(self.slot_c[slot, code]),
+                       bool(self.slot_hit[slot]) and name == "exact_match")
+                for name, code in ESTIMATOR_CODES.items() if self.slot_has[slot, code])
+            pending = Pending(int(self.slot_generated[slot]), int(self.slot_horizon[slot]),
+                              shadows)
+            out.extend(score_outcome(pending, output_tokens, censored))
         return out
 
     def add_scored(self, scored: Scored) -> None:

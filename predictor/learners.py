@@ -55,6 +55,7 @@ class KaplanMeier:
         self.n_observed_ = 0
         self._recent: deque[tuple[int, bool]] = deque()
         self._survival: np.ndarray | None = None
+        self._table: ResidualTable | None = None
         return self
 
     def fit(self, durations: Sequence[int] | np.ndarray,
@@ -103,7 +104,15 @@ class KaplanMeier:
             at_risk = np.cumsum(counts[: last + 1][::-1])[::-1].astype(np.float64)
             hazard = np.divide(events, at_risk, out=np.zeros_like(events), where=at_risk > 0)
             self._survival = np.cumprod(1.0 - hazard)
+            self._table = None
         return self._survival
+
+    @property
+    def table_(self) -> ResidualTable:
+        """The cached :class:`ResidualTable` of the current curve."""
+        if self._table is None or self._survival is None:
+            self._table = ResidualTable.of(self.survival_)
+        return self._table
 
     def survival_at(self, t: np.ndarray | int) -> np.ndarray:
         curve = self.survival_
@@ -119,12 +128,34 @@ class ResidualLife:
     mu_rem: np.ndarray
 
 
-def residual_life(survival: np.ndarray, generated: np.ndarray, horizon: int) -> ResidualLife:
+MAX_HORIZON = 4096
+
+
+@dataclass(frozen=True)
+class ResidualTable:
+    """A survival curve extended flat by ``MAX_HORIZON + 1`` and its prefix sums: built once
+    per curve, it answers any (a, H) query with two lookups."""
+
+    extended: np.ndarray
+    prefix: np.ndarray
+    tail: int
+
+    @classmethod
+    def of(cls, survival: np.ndarray, horizon: int = MAX_HORIZON) -> ResidualTable:
+        extended = np.concatenate([survival, np.full(horizon + 1, survival[-1])])
+        prefix = np.concatenate([[0.0], np.cumsum(extended)])
+        return cls(extended, prefix, int(survival.shape[0]))
+
+
+def residual_life(survival: np.ndarray | ResidualTable, generated: np.ndarray,
+                  horizon: int) -> ResidualLife:
     """``c_hat``, ``p_fin``, ``mu_rem`` for requests that generated ``generated`` tokens."""
+    table = (survival if isinstance(survival, ResidualTable)
+             else ResidualTable.of(survival, horizon))
+    if horizon > table.extended.shape[0] - table.tail - 1:
+        raise ValueError(f"horizon {horizon} beyond the table's {MAX_HORIZON}")
     generated = np.asarray(generated, dtype=np.int64)
-    tail = survival.shape[0]
-    extended = np.concatenate([survival, np.full(horizon + 1, survival[-1])])
-    prefix = np.concatenate([[0.0], np.cumsum(extended)])
+    extended, prefix, tail = table.extended, table.prefix, table.tail
     at = np.minimum(generated, tail)  # flat beyond the curve: tail index is as good as any
     s_now = extended[at]
     known = s_now > 0
@@ -175,7 +206,7 @@ class SurvivalEstimator:
         n = int(np.asarray(generated).shape[0])
         if self.curve_.n_observed_ == 0:
             return Answer(_prior(n, horizon), [PRIOR] * n, np.zeros(n, dtype=np.int64))
-        life = residual_life(self.curve_.survival_, generated, horizon)
+        life = residual_life(self.curve_.table_, generated, horizon)
         return Answer(life, [SURVIVAL] * n, np.full(n, self.curve_.n_observed_, dtype=np.int64))
 
 
@@ -250,7 +281,7 @@ class ExactMatchEstimator:
             bucket = self.buckets_.get(key)
             if bucket is None or bucket.n_observed_ < needed:
                 continue
-            life = residual_life(bucket.survival_, generated[rows], horizon)
+            life = residual_life(bucket.table_, generated[rows], horizon)
             c_hat[rows], p_fin[rows], mu_rem[rows] = life.c_hat, life.p_fin, life.mu_rem
             support[rows] = bucket.n_observed_
             for row in rows:

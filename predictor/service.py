@@ -18,14 +18,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from . import store
-from .calibration import (
-    CalibrationTracker,
-    DriftMonitor,
-    Pending,
-    Scored,
-    Shadow,
-    sampled,
-)
+from .calibration import CalibrationTracker, DriftMonitor, Scored, sampled
 from .learners import EXACT_MATCH, SURVIVAL, ExactMatchEstimator
 from .settings import Settings
 
@@ -179,13 +172,8 @@ class PredictorService:
                 session.commit()
 
     def contributions(self, generated: np.ndarray, keys: list[str | None], horizon: int,
-                      estimator: str = "auto",
-                      request_ids: list[str] | None = None) -> ContributionAnswer:
-        """c_hat, p_fin, mu_rem for a batch of active requests.
-
-        With ``request_ids``, a sample of the items is recorded for calibration, with every
-        estimator's prediction (shadow scoring).
-        """
+                      estimator: str = "auto") -> ContributionAnswer:
+        """c_hat, p_fin, mu_rem for a batch of active requests (see :meth:`record`)."""
         with self.lock:
             if estimator == SURVIVAL:
                 answer = self.learner.fallback_.predict(generated, keys, horizon)
@@ -193,30 +181,32 @@ class PredictorService:
                 answer = self.learner.predict(generated, keys, horizon, min_support=1)
             else:
                 answer = self.learner.predict(generated, keys, horizon)
-            if request_ids is not None and self.observations > 0:
-                self._record(request_ids, generated, keys, horizon)
             return ContributionAnswer(answer.life.c_hat, answer.life.p_fin, answer.life.mu_rem,
                                       answer.estimator, answer.support, self.model_version,
                                       self.drift.drifted)
 
-    def _record(self, request_ids: list[str], generated: np.ndarray, keys: list[str | None],
-                horizon: int) -> None:
+    def record(self, request_ids: list[str], generated: np.ndarray, keys: list[str | None],
+               horizon: int) -> None:
+        """Keep a deterministic sample of a query's items, with every estimator's prediction
+        (shadow scoring), for scoring when their outcomes arrive. Runs after the answer has
+        been sent."""
         rate = self.settings.calibration_sample_rate
         picks = [i for i, rid in enumerate(request_ids) if sampled(rid, int(generated[i]), rate)]
         if not picks:
             return
-        sub_generated = generated[picks]
-        sub_keys = [keys[i] for i in picks]
-        survival = self.learner.fallback_.predict(sub_generated, sub_keys, horizon)
-        exact = self.learner.predict(sub_generated, sub_keys, horizon, count=False)
-        for k, i in enumerate(picks):
-            shadows = (
-                Shadow(SURVIVAL, float(survival.life.p_fin[k]), float(survival.life.c_hat[k]),
-                       False),
-                Shadow(EXACT_MATCH, float(exact.life.p_fin[k]), float(exact.life.c_hat[k]),
-                       exact.estimator[k] == EXACT_MATCH),
+        with self.lock:
+            if self.observations == 0:
+                return  # nothing learned yet: every estimator answers the prior
+            sub_generated = generated[picks]
+            sub_keys = [keys[i] for i in picks]
+            survival = self.learner.fallback_.predict(sub_generated, sub_keys, horizon)
+            exact = self.learner.predict(sub_generated, sub_keys, horizon, count=False)
+            self.tracker.record_batch(
+                [request_ids[i] for i in picks], sub_generated, horizon,
+                {SURVIVAL: survival.life.p_fin, EXACT_MATCH: exact.life.p_fin},
+                {SURVIVAL: survival.life.c_hat, EXACT_MATCH: exact.life.c_hat},
+                np.asarray([e == EXACT_MATCH for e in exact.estimator]),
             )
-            self.tracker.record(request_ids[i], Pending(int(generated[i]), horizon, shadows))
 
     def calibration(self, horizon: int | None = None, estimator: str | None = None,
                     window: int | None = None) -> dict:

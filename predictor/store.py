@@ -71,22 +71,27 @@ def count_observations(*, session: Session) -> int:
     return int(session.scalar(select(func.count()).select_from(Observation)) or 0)
 
 
-def observations_in_order(*, session: Session, chunk: int = 20000) -> Iterator[Sequence]:
-    """All observations as (id, batch, output_tokens, censored, prompt_key, completed_at),
-    in ingestion order."""
+def _in_id_order(session: Session, columns: Sequence, chunk: int) -> Iterator[Sequence]:
+    """Rows of ``columns`` (the first is the table's id) in id order, ``chunk`` at a time
+    (keyset pagination: constant memory whatever the table size)."""
+    id_column = columns[0]
     last_id = 0
     while True:
         rows = session.execute(
-            select(Observation.id, Observation.batch, Observation.output_tokens,
-                   Observation.censored, Observation.prompt_key, Observation.completed_at)
-            .where(Observation.id > last_id)
-            .order_by(Observation.id)
-            .limit(chunk)
+            select(*columns).where(id_column > last_id).order_by(id_column).limit(chunk)
         ).all()
         if not rows:
             return
         last_id = rows[-1][0]
         yield rows
+
+
+def observations_in_order(*, session: Session, chunk: int = 20000) -> Iterator[Sequence]:
+    """All observations as (id, batch, output_tokens, censored, prompt_key, completed_at),
+    in ingestion order."""
+    return _in_id_order(session, (Observation.id, Observation.batch, Observation.output_tokens,
+                                  Observation.censored, Observation.prompt_key,
+                                  Observation.completed_at), chunk)
 
 
 def insert_scored(*, session: Session, rows: Sequence[dict], keep: int) -> None:
@@ -100,18 +105,8 @@ def insert_scored(*, session: Session, rows: Sequence[dict], keep: int) -> None:
 
 def scored_in_order(*, session: Session, chunk: int = 20000) -> Iterator[Sequence]:
     """Stored scored predictions, oldest first."""
-    last_id = 0
-    while True:
-        rows = session.execute(
-            select(ScoredPrediction.id, ScoredPrediction.estimator, ScoredPrediction.horizon,
-                   ScoredPrediction.generated_tokens, ScoredPrediction.p_fin,
-                   ScoredPrediction.c_hat, ScoredPrediction.ended, ScoredPrediction.realized,
-                   ScoredPrediction.hit, ScoredPrediction.scored_at)
-            .where(ScoredPrediction.id > last_id)
-            .order_by(ScoredPrediction.id)
-            .limit(chunk)
-        ).all()
-        if not rows:
-            return
-        last_id = rows[-1][0]
-        yield rows
+    return _in_id_order(session, (ScoredPrediction.id, ScoredPrediction.estimator,
+                                  ScoredPrediction.horizon, ScoredPrediction.generated_tokens,
+                                  ScoredPrediction.p_fin, ScoredPrediction.c_hat,
+                                  ScoredPrediction.ended, ScoredPrediction.realized,
+                                  ScoredPrediction.hit, ScoredPrediction.scored_at), chunk)

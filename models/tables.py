@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, Boolean, DateTime, Float, Index, Integer, String
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # SQLite only autoincrements INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
@@ -58,3 +58,21 @@ class ScoredPrediction(Base):
     realized: Mapped[float] = mapped_column(Float, nullable=False)
     hit: Mapped[bool] = mapped_column(Boolean, nullable=False)
     scored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+
+class AbJob(Base):
+    """A simulated A/B comparison started over REST (``POST /v1/ab-comparisons``).
+
+    ``request`` holds the validated request (JSON); ``results`` the CLI-shaped rows (JSON).
+    """
+
+    __tablename__ = "ab_jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), nullable=False)
+    progress: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
+    request: Mapped[str] = mapped_column(Text, nullable=False)
+    results: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)

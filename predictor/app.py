@@ -25,9 +25,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
+from router_client.errors import TraceError
+from router_client.traces import parse_trace
+
+from .abjobs import AbJobRunner
 from .metrics import Metrics
 from .schemas import (
     CONTRIBUTIONS_IN,
+    AbComparisonIn,
+    AbJobOut,
     ContributionsIn,
     ContributionsOut,
     ObservationsIn,
@@ -151,6 +157,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service.load()
+        app.state.ab_jobs.recover()
         _refresh_gauges(service, metrics)
         # Everything loaded so far (modules, the learners' state) lives as long as the app:
         # move it out of the collector's sight. Without this every full collection walked the
@@ -160,6 +167,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         log.info("loaded %d observations, model version %d", service.observations,
                  service.model_version)
         yield
+        app.state.ab_jobs.shutdown()
         engine.dispose()
 
     app = FastAPI(
@@ -171,6 +179,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.service = service
     app.state.metrics = metrics
+    app.state.ab_jobs = AbJobRunner(service.sessions)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
 
     app.add_middleware(RequestMetrics, metrics=metrics)
@@ -248,6 +257,26 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         record = BackgroundTask(service.record, [i["request_id"] for i in items], generated,
                                 keys, horizon)
         return Response(orjson.dumps(payload), media_type="application/json", background=record)
+
+    @app.post("/v1/ab-comparisons", status_code=202, tags=["a/b"], dependencies=[WriteAuth])
+    def start_ab_comparison(body: AbComparisonIn, service: ServiceDep) -> dict:
+        """Start a simulated A/B comparison (background job); poll it by id."""
+        request = body.model_dump()
+        if body.trace is not None:
+            try:  # a bad trace is the caller's error, reported now with its line
+                parse_trace(body.trace.content, body.trace.format, "trace")
+            except TraceError as exc:
+                raise RequestValidationError([{"loc": ("body", "trace", "content"),
+                                               "msg": str(exc), "type": "trace_format"}]
+                                             ) from None
+        return {"id": app.state.ab_jobs.submit(request)}
+
+    @app.get("/v1/ab-comparisons/{job_id}", response_model=AbJobOut, tags=["a/b"])
+    def get_ab_comparison(job_id: str) -> dict:
+        job = app.state.ab_jobs.get(job_id)
+        if job is None:
+            raise HTTPException(404, f"no A/B comparison {job_id!r}")
+        return job
 
     @app.get("/v1/status", response_model=StatusOut, tags=["service"])
     def status(service: ServiceDep) -> StatusOut:

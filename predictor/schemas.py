@@ -9,7 +9,7 @@ from typing import (
     NotRequired,  # pydantic needs these on Python < 3.12
 )
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 from typing_extensions import TypedDict
 
 from router_client.traces import key_of_text
@@ -116,3 +116,64 @@ class StatusOut(BaseModel):
     buckets: int
     drifted: bool
     uptime_s: float
+
+
+class TraceIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: Literal["auto", "azure", "mooncake", "sharegpt", "csv"] = "auto"
+    content: str = Field(..., min_length=1, description="the trace file's text")
+
+
+class AbComparisonIn(BaseModel):
+    """A simulated A/B comparison: the fields of ``balanceroute ab``."""
+
+    model_config = ConfigDict(extra="forbid")
+    policies: list[str] = Field(
+        default_factory=lambda: ["jsq", "ltl", "br0", "brh-survival", "brh-oracle"],
+        min_length=1, max_length=16)
+    workers: list[Annotated[int, Field(strict=True, ge=1, le=256)]] = Field(
+        default_factory=lambda: [8], min_length=1, max_length=8)
+    batch: Annotated[int, Field(strict=True, ge=1, le=1024)] = 64
+    load: float | Literal["backlog"] = 1.0
+    seed: int = 0
+    horizon: Annotated[int, Field(strict=True, ge=1, le=4096)] = 80
+    refresh_steps: Annotated[int, Field(strict=True, ge=1, le=10_000)] = 10
+    requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] | None = None
+    step_cost: tuple[Annotated[float, Field(ge=0)], Annotated[float, Field(ge=0)]] | None = None
+    stage1: Literal["auto", "paper", "best-pair"] = "auto"
+    source: Literal["observations"] | None = Field(
+        None, description="replay the service's own stored observations")
+    trace: TraceIn | None = None
+
+    @field_validator("load")
+    @classmethod
+    def _positive(cls, value: float | str) -> float | str:
+        if not isinstance(value, str) and not value > 0:
+            raise ValueError("load must be > 0 or 'backlog'")
+        return value
+
+    @field_validator("policies")
+    @classmethod
+    def _known(cls, value: list[str]) -> list[str]:
+        from .abtest import known_policies
+
+        unknown = [p for p in value if p not in known_policies()]
+        if unknown:
+            raise ValueError(f"unknown policies {unknown}; known: {known_policies()}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AbComparisonIn:
+        if (self.trace is None) == (self.source is None):
+            raise ValueError("give exactly one of 'source' and 'trace'")
+        return self
+
+
+class AbJobOut(BaseModel):
+    id: str
+    status: Literal["queued", "running", "done", "failed"]
+    progress: float
+    results: list[dict]
+    error: str | None
+    created_at: str
+    request: dict

@@ -1,0 +1,106 @@
+import json
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from predictor.app import create_app
+from predictor.cli import main
+from predictor.settings import Settings
+from router_client.synth import synthesize
+
+POLICIES = ["jsq", "ltl", "br0", "brh-survival", "brh-oracle"]
+
+
+def csv_trace(n=300, seed=2):
+    trace = synthesize(f"synth:templated:n={n},seed={seed}")
+    lines = ["arrival_s,prompt_tokens,output_tokens,prompt_key"]
+    lines += [f"{a:.6f},{p},{o},{k}" for a, p, o, k in zip(
+        trace.arrival_s, trace.prompt_tokens, trace.output_tokens, trace.prompt_keys,
+        strict=True)]
+    return "\n".join(lines) + "\n"
+
+
+def wait(client, job_id, seconds=120):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/ab-comparisons/{job_id}").json()
+        if job["status"] in ("done", "failed"):
+            return job
+        time.sleep(0.1)
+    pytest.fail(f"job {job_id} did not finish: {job}")
+
+
+def test_rest_comparison_equals_the_cli(tmp_path):
+    content = csv_trace()
+    (tmp_path / "t.csv").write_text(content)
+    body = {"policies": POLICIES, "workers": [2, 4], "batch": 8, "load": 1.2, "seed": 3,
+            "horizon": 40, "trace": {"format": "csv", "content": content}}
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'ab.db'}"))) as c:
+        started = c.post("/v1/ab-comparisons", json=body)
+        assert started.status_code == 202
+        job = wait(c, started.json()["id"])
+    assert job["status"] == "done" and job["progress"] == 1.0 and job["error"] is None
+    main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", ",".join(POLICIES),
+          "--workers", "2,4", "--batch", "8", "--load", "1.2", "--seed", "3", "--horizon", "40",
+          "--quiet", "--json", str(tmp_path / "cli.json")])
+    cli = json.loads((tmp_path / "cli.json").read_text())
+    rest = job["results"]
+    for row in cli + rest:
+        row.pop("sim_wall_s")
+    assert rest == cli
+
+
+def test_replaying_the_services_own_observations(tmp_path):
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'obs.db'}")
+    with TestClient(create_app(settings)) as c:
+        empty = wait(c, c.post("/v1/ab-comparisons", json={"source": "observations"}).json()["id"])
+        assert empty["status"] == "failed" and "no stored observations" in empty["error"]
+        trace = synthesize("synth:long:n=200,output_mean=100")
+        c.post("/v1/observations", json={"observations": [
+            {"request_id": f"r{i}", "prompt_tokens": int(p), "output_tokens": int(o)}
+            for i, (p, o) in enumerate(zip(trace.prompt_tokens, trace.output_tokens,
+                                           strict=True))]})
+        job = wait(c, c.post("/v1/ab-comparisons", json={
+            "source": "observations", "policies": ["jsq", "br0"], "workers": [2],
+            "batch": 8}).json()["id"])
+    assert job["status"] == "done"
+    assert [r["policy"] for r in job["results"]] == ["jsq", "br0"]
+    assert all(r["completed"] == 200 for r in job["results"])
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"policies": ["nope"], "source": "observations"}, "unknown policies"),
+    ({"source": "observations", "trace": {"content": "x"}}, "exactly one"),
+    ({}, "exactly one"),
+    ({"source": "observations", "load": 0}, "load"),
+    ({"source": "observations", "workers": [0]}, "workers"),
+    ({"trace": {"format": "csv",
+                "content": "arrival_s,prompt_tokens,output_tokens\n0,1,2\n1,x,3\n"}},
+     "line 3"),
+])
+def test_bad_requests_are_422(tmp_path, body, fragment):
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'b.db'}"))) as c:
+        got = c.post("/v1/ab-comparisons", json=body)
+        assert got.status_code == 422
+        assert fragment in got.text
+
+
+def test_token_unknown_id_and_restart_marks_running_jobs_failed(tmp_path):
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'r.db'}", api_token="t")
+    with TestClient(create_app(settings)) as c:
+        assert c.post("/v1/ab-comparisons", json={"source": "observations"}).status_code == 401
+        assert c.get("/v1/ab-comparisons/nope").status_code == 404
+        app = c.app
+        from datetime import UTC, datetime
+
+        from models import AbJob
+
+        with app.state.service.sessions() as session:
+            now = datetime.now(UTC)
+            session.add(AbJob(id="x" * 32, status="running", progress=0.3, request="{}",
+                              created_at=now, updated_at=now))
+            session.commit()
+    with TestClient(create_app(settings)) as c:
+        job = c.get("/v1/ab-comparisons/" + "x" * 32).json()
+        assert job["status"] == "failed" and "interrupted" in job["error"]

@@ -1,6 +1,6 @@
 # Two commands set up everything on a fresh machine with Python 3.11+ and pip:
 #   make demo   -- create .venv, install, run the main job end to end
-#   make test   -- create .venv, install, lint, run the whole test suite
+#   make test   -- create .venv, install, lint (ruff, mypy), run the whole test suite
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -18,6 +18,7 @@ setup: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check predictor router_client models migrations tests
+	$(BIN)/mypy router_client predictor models
 
 test: lint
 	$(BIN)/python -m pytest -q

@@ -12,6 +12,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -106,8 +107,9 @@ def bench_calibration(scored: int = 100_000, rounds: int = 30) -> dict:
                                   int(i % 500), float(p[i]), float(80 * (1 - p[i])),
                                   bool(ended[i]), float(rng.integers(1, 81)), bool(i % 5)))
     result: dict = {"scored": scored, "rounds": rounds}
-    for label, kwargs in (("report", {}), ("report_horizon_window",
-                                           {"horizon": 80, "window": 10_000})):
+    cases: tuple[tuple[str, dict[str, Any]], ...] = (
+        ("report", {}), ("report_horizon_window", {"horizon": 80, "window": 10_000}))
+    for label, kwargs in cases:
         times = []
         for _ in range(rounds):
             t0 = time.perf_counter()

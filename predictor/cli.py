@@ -8,13 +8,14 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from router_client.admission import BalanceRouteParams
 from router_client.errors import BalanceRouteError
+from router_client.predictors import Predictor
 from router_client.simulator import DEFAULT_STEP_COST, SimConfig
-from router_client.traces import FORMATS, load_trace
+from router_client.traces import FORMATS, Trace, load_trace
 
 from . import abtest
 
@@ -164,7 +165,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         batch=args.batch, load=args.load, step_cost=args.step_cost, horizon=args.horizon,
         refresh_steps=args.refresh_steps, seed=args.seed, record_trajectory=args.out is not None,
     )
-    factory = abtest.make_predictor
+    factory: Callable[[str, Trace], Predictor | None] = abtest.make_predictor
     if args.predictor_url:
         factory = abtest.http_predictor_factory(
             args.predictor_url, run_tag=f"ab{int(time.time())}", token=os.environ.get(

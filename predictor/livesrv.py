@@ -35,7 +35,8 @@ def live_server(database_url: str, port: int | None = None, env: dict[str, str] 
         deadline = time.monotonic() + timeout_s
         while True:
             if process.poll() is not None:
-                raise RuntimeError("the service exited: " + process.stderr.read().decode()[-2000:])
+                output = process.stderr.read().decode() if process.stderr else ""
+                raise RuntimeError("the service exited: " + output[-2000:])
             try:
                 if httpx.get(url + "/readyz", timeout=1.0).status_code == 200:
                     break

@@ -89,8 +89,9 @@ CONTRIBUTIONS_IN = TypeAdapter(ContributionsIn)
 def item_key(item: ContributionItem) -> str | None:
     """The prompt key of a contributions item: given, else the hash of the text."""
     key = item.get("prompt_key")
-    if key is None and item.get("prompt") is not None:
-        return key_of_text(item["prompt"])
+    text = item.get("prompt")
+    if key is None and text is not None:
+        return key_of_text(text)
     return key
 
 

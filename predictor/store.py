@@ -7,7 +7,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, delete, event, func, select, text
+from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, text
 from sqlalchemy.orm import Session
 
 import models
@@ -60,7 +60,7 @@ def existing_request_ids(*, session: Session, request_ids: Sequence[str]) -> set
 
 def insert_observations(*, session: Session, rows: Sequence[dict]) -> None:
     if rows:
-        session.execute(Observation.__table__.insert(), list(rows))
+        session.execute(insert(Observation), list(rows))
 
 
 def latest_batch(*, session: Session) -> int:
@@ -98,7 +98,7 @@ def insert_scored(*, session: Session, rows: Sequence[dict], keep: int) -> None:
     """Store scored predictions and drop all but the newest ``keep``."""
     if not rows:
         return
-    session.execute(ScoredPrediction.__table__.insert(), list(rows))
+    session.execute(insert(ScoredPrediction), list(rows))
     newest = session.scalar(select(func.max(ScoredPrediction.id))) or 0
     session.execute(delete(ScoredPrediction).where(ScoredPrediction.id <= newest - keep))
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from functools import partial
 from time import perf_counter
 from typing import Literal
 
@@ -190,7 +191,7 @@ def route_round(
             choice = best_subset(
                 [int(sizes[i]) for i in candidates],
                 int(free[worker]),
-                lambda D, g=worker: table.score(g, D),
+                partial(table.score, worker),
                 table.peak(worker),
             )
             if choice is None:

@@ -39,8 +39,11 @@ class Decision:
 class Policy(Protocol):
     """A routing policy. ``needs_predictions`` says whether it reads ``fleet.active_c_hat``."""
 
-    name: str
-    needs_predictions: bool
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def needs_predictions(self) -> bool: ...
 
     def route(self, fleet: FleetView, pool: list[WaitingRequest]) -> Decision: ...
 

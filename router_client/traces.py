@@ -23,6 +23,7 @@ import csv
 import io
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,9 +81,9 @@ def key_of_text(text: str) -> str:
 
 def _int_field(source: str, line: int, name: str, raw: object, minimum: int) -> int:
     try:
-        if isinstance(raw, bool):
+        if isinstance(raw, bool) or not isinstance(raw, int | float | str):
             raise ValueError
-        value = int(raw) if not isinstance(raw, float) else int(raw)
+        value = int(raw)
         if isinstance(raw, float) and raw != value:
             raise ValueError
     except (TypeError, ValueError):
@@ -116,7 +117,8 @@ def _build(
     )
 
 
-def _csv_rows(source: str, text: str, expected: list[str]) -> tuple[list[str], csv.reader]:
+def _csv_rows(source: str, text: str, expected: list[str]
+              ) -> tuple[list[str], Iterator[list[str]]]:
     reader = csv.reader(io.StringIO(text))
     try:
         header = [h.strip() for h in next(reader)]

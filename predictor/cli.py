@@ -19,8 +19,6 @@ from router_client.traces import FORMATS, Trace, load_trace
 
 from . import abtest
 
-NOT_YET = 2
-
 
 def bundled_trace() -> Path:
     """The copy of the Azure 2023 conversation trace shipped with the package."""

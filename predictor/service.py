@@ -23,7 +23,6 @@ from .learners import EXACT_MATCH, SURVIVAL, ExactMatchEstimator
 from .settings import Settings
 
 CENSORING_REASONS = ("length", "cancelled", "error")
-ESTIMATOR_CHOICES = ("auto", SURVIVAL, EXACT_MATCH)
 
 
 @dataclass(frozen=True)

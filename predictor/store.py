@@ -67,10 +67,6 @@ def latest_batch(*, session: Session) -> int:
     return int(session.scalar(select(func.coalesce(func.max(Observation.batch), 0))) or 0)
 
 
-def count_observations(*, session: Session) -> int:
-    return int(session.scalar(select(func.count()).select_from(Observation)) or 0)
-
-
 def _in_id_order(session: Session, columns: Sequence, chunk: int) -> Iterator[Sequence]:
     """Rows of ``columns`` (the first is the table's id) in id order, ``chunk`` at a time
     (keyset pagination: constant memory whatever the table size)."""

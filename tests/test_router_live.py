@@ -126,3 +126,18 @@ def test_reporter_buffer_is_bounded_and_retries_until_the_service_is_back(tmp_pa
         assert predictor.reporter.flush_due(force=True) == 5
         assert httpx.get(url + "/v1/status").json()["observations"] == 5
     predictor.close()
+
+
+def test_reporter_thread_delivers_in_the_background(tmp_path):
+    with live_server(f"sqlite:///{tmp_path / 'thread.db'}") as url:
+        predictor = HttpPredictor(url, flush_on_predict=False)
+        predictor.reporter.start(interval_s=0.05)
+        predictor.reporter.add([{"request_id": f"t{i}", "output_tokens": 5} for i in range(30)])
+        import time
+
+        deadline = time.monotonic() + 10
+        while predictor.reporter.sent < 30 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert predictor.reporter.sent == 30 and predictor.reporter.pending() == 0
+        predictor.close()
+        assert httpx.get(url + "/v1/status").json()["observations"] == 30

@@ -115,6 +115,7 @@ def test_reporter_buffer_is_bounded_and_retries_until_the_service_is_back(tmp_pa
     url = f"http://127.0.0.1:{port}"
     predictor = HttpPredictor(url, timeout_s=0.3)
     predictor.reporter.max_buffer = 5
+    predictor.reporter.backoff_initial_s = 60.0  # no retry can come due during the test
     outcomes = [{"request_id": f"x{i}", "output_tokens": 3 + i} for i in range(8)]
     predictor.reporter.add(outcomes)
     assert predictor.reporter.dropped == 3 and predictor.reporter.pending() == 5

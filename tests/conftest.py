@@ -20,7 +20,12 @@ settings.register_profile(
     "ci", max_examples=100, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
-settings.load_profile("ci" if os.environ.get("CI") else "dev")
+settings.register_profile(
+    "big", max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
+)
 
 
 POSTGRES_URL = os.environ.get("BALANCEROUTE_TEST_POSTGRES_URL")

@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--refresh-steps", type=int, default=10,
                     help="predictions refreshed every this many steps (default 10)")
     ab.add_argument("--seed", type=int, default=0)
+    ab.add_argument("--beta", type=float, default=43.0,
+                    help="BR-H overflow weight (default 43; BR-0 always uses G)")
+    ab.add_argument("--gamma", type=float, default=0.86, help="BR-H discount (default 0.86)")
+    ab.add_argument("--rmax", type=int, default=4,
+                    help="Stage-2 candidates per worker (default 4)")
+    ab.add_argument("--s-greedy", type=int, default=7,
+                    help="Stage 1 runs while more slots than this are free (default 7)")
     ab.add_argument("--stage1", default="auto", choices=["auto", "paper", "best-pair"],
                     help="BR Stage-1 rule: auto (default: best (worker, request) pair while the "
                     "pool is short, the paper's most-free-slots rule at saturation), paper, "
@@ -170,7 +177,9 @@ def cmd_ab(args: argparse.Namespace) -> int:
                 "BALANCEROUTE_API_TOKEN"))
     comparison = abtest.run_comparison(
         trace, args.policies, args.workers, config, Progress(not args.quiet),
-        predictor_factory=factory, params=BalanceRouteParams(stage1=args.stage1),
+        predictor_factory=factory,
+        params=BalanceRouteParams(beta=args.beta, gamma=args.gamma, r_max=args.rmax,
+                                  s_greedy=args.s_greedy, stage1=args.stage1),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

@@ -110,3 +110,20 @@ def test_bench_calibration_small(tmp_path):
     assert main(["bench", "calibration", "--scored", "2000", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
     assert result["scored"] == 2000 and result["report"]["p50_ms"] > 0
+
+
+def test_ab_brh_parameters_reach_the_policy(tmp_path):
+    argv = ["ab", "--trace", "synth:long:n=300", "--workers", "2", "--batch", "8",
+            "--policies", "br0,brh-oracle", "--quiet", "--json"]
+    main([*argv, str(tmp_path / "a.json")])
+    main([*argv, str(tmp_path / "b.json"), "--beta", "2", "--gamma", "1.0"])
+    main([*argv, str(tmp_path / "c.json"), "--rmax", "1", "--s-greedy", "0"])
+    a, b, c = (json.loads((tmp_path / n).read_text()) for n in ("a.json", "b.json", "c.json"))
+    assert a[0]["throughput_tok_s"] == b[0]["throughput_tok_s"]  # BR-0 ignores beta/gamma
+    assert a[1]["imbalance_total_mean"] != b[1]["imbalance_total_mean"]
+    assert a[0]["imbalance_total_mean"] != c[0]["imbalance_total_mean"]  # stages: both
+
+
+def test_ab_rejects_bad_parameters(capsys):
+    assert main(["ab", "--trace", "synth:long:n=10", "--gamma", "0", "--quiet"]) == 1
+    assert "gamma" in capsys.readouterr().err

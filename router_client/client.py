@@ -87,25 +87,33 @@ class RouterClient:
                 request_id = str(pool[assignment.pool_index].request_id)
                 if self.fleet.dispatch(request_id, assignment.worker, now):
                     dispatches.append((request_id, assignment.worker))
+                    if request_id in self.predictions:  # predicted while waiting: its life
+                        c, _ = self.predictions[request_id]  # starts now
+                        self.predictions[request_id] = (c, step)
         self._report()
         return dispatches
 
     def _refresh(self, step: int, H: int) -> None:
         assert self.predictor is not None
         active = list(self.fleet.active.values())
+        # Waiting requests are asked too (0 tokens generated), so that a request admitted
+        # between refreshes has a prediction from its first step instead of the prior H.
+        waiting = [entry.request for entry in self.fleet.pool.values()]
+        ids = [r.request_id for r in active] + [str(w.request_id) for w in waiting]
         batch = ActiveBatch(
-            np.asarray([r.request_id for r in active], dtype=object),
-            np.asarray([r.prompt_tokens for r in active], dtype=np.int64),
-            np.asarray([r.generated for r in active], dtype=np.int64),
-            [r.prompt_key for r in active],
+            np.asarray(ids, dtype=object),
+            np.asarray([r.prompt_tokens for r in active] + [w.prompt_tokens for w in waiting],
+                       dtype=np.int64),
+            np.asarray([r.generated for r in active] + [0] * len(waiting), dtype=np.int64),
+            [r.prompt_key for r in active] + [w.prompt_key for w in waiting],
         )
         prediction = self.predictor.predict(batch, H)
         healthy = prediction.c_hat is not None and not prediction.drifted
         reason = "ok" if healthy else ("drifted" if prediction.drifted else "unavailable")
         if healthy:
             assert prediction.c_hat is not None
-            self.predictions = {r.request_id: (float(c), step)
-                                for r, c in zip(active, prediction.c_hat, strict=True)}
+            self.predictions = {request_id: (float(c), step)
+                                for request_id, c in zip(ids, prediction.c_hat, strict=True)}
         self.use_predictions = self.controller.on_refresh(step, healthy, reason)
 
     def _aged(self, step: int, H: int) -> dict[str, float]:

@@ -14,8 +14,10 @@ waiting pool at its arrival step, and the policy sees the oldest ``pool_window``
 Predictions: a policy that needs them gets ``c_hat`` for every active request from the
 predictor, refreshed every ``refresh_steps`` steps; in between, the last answer is aged by
 the steps elapsed (``max(c_hat - elapsed, 1)``; an answer at the cap H stays at H, since
-"at least H" says nothing about when). Requests admitted since the last refresh count as
-``c_hat = H`` (the conservative prior) until the next. A :class:`FallbackController` decides
+"at least H" says nothing about when). Each refresh also asks about the oldest
+``pool_window`` waiting requests (0 tokens generated, ``predict_pool``), so a request admitted
+between refreshes starts with its own prediction; one admitted without any counts as
+``c_hat = H`` (the conservative prior) until the next refresh. A :class:`FallbackController` decides
 after each refresh whether BR-H may use predictions: a failed or drifted refresh switches to
 BR-0 at once, ``healthy_to_return`` healthy refreshes switch back. Routing rounds of a BR-H
 policy run as BR-0 meanwhile count in ``fallback_steps``. Finished
@@ -63,6 +65,7 @@ class SimConfig:
     pool_window: int = 1024
     record_trajectory: bool = False
     healthy_to_return: int = 3
+    predict_pool: bool = True
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -160,6 +163,7 @@ def simulate(
     finish_step = np.full(n, -1, dtype=np.int64)
     assigned = np.zeros(n, dtype=bool)
     assigned_worker = np.full(n, -1, dtype=np.int64)
+    pool_chat = np.full(n, np.nan)  # c_hat of waiting requests, from the last refresh
 
     pool: list[WaitingRequest] = []
     next_request = 0
@@ -206,11 +210,15 @@ def simulate(
             assert predictor is not None
             last_refresh = step
             idx = np.flatnonzero(active)
+            waiting = (np.fromiter((r.request_id for r in pool[: config.pool_window]),
+                                   dtype=np.int64) if config.predict_pool else
+                       np.zeros(0, dtype=np.int64))
+            asked = np.concatenate([slot_req[idx], waiting])
             batch = ActiveBatch(
-                slot_req[idx],
-                prompts[slot_req[idx]],
-                slot_gen[idx],
-                [trace.prompt_keys[r] for r in slot_req[idx]],
+                asked,
+                prompts[asked],
+                np.concatenate([slot_gen[idx], np.zeros(waiting.size, dtype=np.int64)]),
+                [trace.prompt_keys[r] for r in asked],
             )
             prediction = predictor.predict(batch, H)
             if prediction.c_hat is None:
@@ -220,8 +228,9 @@ def simulate(
             else:
                 healthy, reason = True, "ok"
             if prediction.c_hat is not None and not prediction.drifted:
-                slot_chat[idx] = prediction.c_hat
+                slot_chat[idx] = prediction.c_hat[: idx.size]
                 slot_chat_step[idx] = step
+                pool_chat[waiting] = prediction.c_hat[idx.size:]
             have_prediction = controller.on_refresh(step, healthy, reason) and (
                 bool((slot_chat_step >= 0).any()) or not idx.size
             )
@@ -275,7 +284,11 @@ def simulate(
                     slot_size[slot] = prompts[request]
                     slot_gen[slot] = 0
                     slot_out[slot] = outputs[request]
-                    slot_chat_step[slot] = -1
+                    if np.isfinite(pool_chat[request]):  # predicted while it waited
+                        slot_chat[slot] = pool_chat[request]
+                        slot_chat_step[slot] = step
+                    else:
+                        slot_chat_step[slot] = -1
                     admit_step[request] = step
                     guard_admissions += int(assignment.starvation_guard)
                 pool = [r for i, r in enumerate(visible) if i not in taken] + pool[len(visible):]

@@ -16,8 +16,8 @@ is known not to have ended within H. Scored predictions live in columnar ring bu
 Drift: two streaming detectors of our own (:class:`WindowShiftDetector`), one on the
 output length of every observation (two-sample Kolmogorov-Smirnov distance between the most
 recent 300 and the 3000 before them, checked every 50, flagged at a distance of 0.2 or more) and
-one on the Brier loss of the answers routers actually get (the ``auto`` rule; flagged when the
-recent mean loss exceeds the reference by 0.05 or more). Why not a library detector: river's
+one on the Brier loss of the answers routers actually get (the ``auto`` rule, one value per
+finished request; flagged when the recent mean loss exceeds the reference by 0.05 or more). Why not a library detector: river's
 ADWIN and Page-Hinkley flag *any* statistically detectable change, and on real traffic (the
 Azure 2023 trace, ShareGPT) that meant dozens of alarms for the ordinary ebb and flow of the
 mix, each of which would have cost the router its predictions; a minimum effect size keeps

@@ -86,10 +86,19 @@ class PredictorService:
                     pending.append(row)
             if pending:
                 self._apply(pending)
+            group: list[Scored] = []
+            group_request: str | None = None
+            when: str | None = None
             for rows in store.scored_in_order(session=session):
-                for row in rows:
-                    self._add_scored(Scored(row[1], row[2], row[3], row[4], row[5], row[6],
-                                            row[7], row[8]), _iso(row[9]))
+                for row in rows:  # one request's scores are stored together, in order
+                    if group and row[10] != group_request:
+                        self._add_scored(group, when)
+                        group = []
+                    group_request, when = row[10], _iso(row[9])
+                    group.append(Scored(row[1], row[2], row[3], row[4], row[5], row[6],
+                                        row[7], row[8]))
+            if group:
+                self._add_scored(group, when)
             self.model_version = store.latest_batch(session=session)
             self.loaded = True
 
@@ -101,10 +110,18 @@ class PredictorService:
         for row in rows:
             self.drift.update_length(int(row[2]), _iso(row[5]))
 
-    def _add_scored(self, scored: Scored, when: str | None) -> None:
-        self.tracker.add_scored(scored)
-        if scored.estimator == EXACT_MATCH:  # the auto rule: what routers get by default
-            self.drift.update_loss((scored.p_fin - float(scored.ended)) ** 2, when)
+    def _add_scored(self, scores: list[Scored], when: str | None) -> None:
+        """One finished request's scored predictions. The loss stream gets one value per
+        request (the mean Brier loss of its ``auto``-rule predictions): predictions of one
+        request at successive refreshes share its outcome, and feeding them one by one would
+        make the stream look far less noisy than it is."""
+        losses = []
+        for scored in scores:
+            self.tracker.add_scored(scored)
+            if scored.estimator == EXACT_MATCH:  # the auto rule: what routers get by default
+                losses.append((scored.p_fin - float(scored.ended)) ** 2)
+        if losses:
+            self.drift.update_loss(float(np.mean(losses)), when)
 
     # -- operations -----------------------------------------------------------------------
     def ingest(self, observations: list[dict]) -> IngestResult:
@@ -155,9 +172,11 @@ class PredictorService:
         stored: list[dict] = []
         for row in rows:
             when = row["completed_at"]
-            for scored in self.tracker.resolve(row["request_id"], row["output_tokens"],
-                                               row["censored"]):
-                self._add_scored(scored, _iso(when))
+            scores = self.tracker.resolve(row["request_id"], row["output_tokens"],
+                                          row["censored"])
+            if scores:
+                self._add_scored(scores, _iso(when))
+            for scored in scores:
                 stored.append({
                     "request_id": row["request_id"], "estimator": scored.estimator,
                     "horizon": scored.horizon, "generated_tokens": scored.generated,

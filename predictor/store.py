@@ -100,9 +100,11 @@ def insert_scored(*, session: Session, rows: Sequence[dict], keep: int) -> None:
 
 
 def scored_in_order(*, session: Session, chunk: int = 20000) -> Iterator[Sequence]:
-    """Stored scored predictions, oldest first."""
+    """Stored scored predictions, oldest first: (id, estimator, horizon, generated_tokens,
+    p_fin, c_hat, ended, realized, hit, scored_at, request_id)."""
     return _in_id_order(session, (ScoredPrediction.id, ScoredPrediction.estimator,
                                   ScoredPrediction.horizon, ScoredPrediction.generated_tokens,
                                   ScoredPrediction.p_fin, ScoredPrediction.c_hat,
                                   ScoredPrediction.ended, ScoredPrediction.realized,
-                                  ScoredPrediction.hit, ScoredPrediction.scored_at), chunk)
+                                  ScoredPrediction.hit, ScoredPrediction.scored_at,
+                                  ScoredPrediction.request_id), chunk)

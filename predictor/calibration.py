@@ -17,8 +17,8 @@ Drift: two streaming detectors of our own (:class:`WindowShiftDetector`), one on
 output length of every observation (two-sample Kolmogorov-Smirnov distance between the most
 recent 300 and the 3000 before them, checked every 50, flagged at a distance of 0.2 or more) and
 one on the Brier loss of the answers routers actually get (the ``auto`` rule, one value per
-finished request; flagged when the recent mean loss exceeds the reference by 0.05 or more). Why not a library detector: river's
-ADWIN and Page-Hinkley flag *any* statistically detectable change, and on real traffic (the
+finished request; flagged when the recent mean loss exceeds the reference by 0.05 or more).
+Why not a library detector: river's ADWIN and Page-Hinkley flag *any* statistically detectable change, and on real traffic (the
 Azure 2023 trace, ShareGPT) that meant dozens of alarms for the ordinary ebb and flow of the
 mix, each of which would have cost the router its predictions; a minimum effect size keeps
 the alarms to changes that matter for prediction (a 0.2 KS distance is, for instance, the

@@ -13,18 +13,18 @@ cancelled, error) with ``r < H`` leaves the question open and is excluded; with 
 is known not to have ended within H. Scored predictions live in columnar ring buffers
 (``capacity``), so a report over 100,000 of them is a few numpy passes.
 
-Drift: two streaming detectors of our own (:class:`WindowShiftDetector`), one on the
-output length of every observation (two-sample Kolmogorov-Smirnov distance between the most
-recent 300 and the 3000 before them, checked every 50, flagged at a distance of 0.2 or more) and
-one on the Brier loss of the answers routers actually get (the ``auto`` rule, one value per
-finished request; flagged when the recent mean loss exceeds the reference by 0.05 or more).
-Why not a library detector: river's ADWIN and Page-Hinkley flag *any* statistically detectable change, and on real traffic (the
-Azure 2023 trace, ShareGPT) that meant dozens of alarms for the ordinary ebb and flow of the
-mix, each of which would have cost the router its predictions; a minimum effect size keeps
-the alarms to changes that matter for prediction (a 0.2 KS distance is, for instance, the
-median output moving by about half an interquartile range). Neither raised an alarm on 50,000
-stationary ``synth:long`` lengths; the ``synth:shift`` change (mean output x4) is flagged
-within 350 observations (a recent window plus one check interval).
+Drift: two streaming detectors of our own (:class:`WindowShiftDetector`), one on the output
+length of every observation (two-sample Kolmogorov-Smirnov distance between the most recent 300
+and the 3000 before them, checked every 50, flagged at a distance of 0.2 or more) and one on
+the Brier loss of the answers routers actually get (the ``auto`` rule, one value per finished
+request; flagged when the recent mean loss exceeds the reference by 0.05 or more). Why not a
+library detector: river's ADWIN and Page-Hinkley flag *any* statistically detectable change,
+and on real traffic (the Azure 2023 trace, ShareGPT) that meant dozens of alarms for the
+ordinary ebb and flow of the mix, each of which would have cost the router its predictions; a
+minimum effect size keeps the alarms to changes that matter for prediction (a 0.2 KS distance
+is roughly the median output moving by half an interquartile range). Neither raised an alarm on
+50,000 stationary ``synth:long`` lengths; the ``synth:shift`` change (mean output x4) is
+flagged within 350 observations (a recent window plus one check interval).
 Hysteresis: a stream stays drifted until ``clear_after`` further samples pass with no new
 detection (default 5000, the learners' history window: by then they have re-learned the new
 workload), so the flag does not flap.

@@ -19,7 +19,7 @@ import numpy as np
 from .admission import BalanceRouteParams
 from .fallback import FallbackController, RouterMetrics
 from .policies import BalanceRoutePolicy, Policy
-from .predictors import ActiveBatch, FinishedBatch, Predictor
+from .predictors import ActiveBatch, FinishedBatch, Predictor, aged_c_hat
 from .shadow import ShadowPolicy
 from .sse import StreamTelemetry
 from .state import MirroredFleet
@@ -117,10 +117,10 @@ class RouterClient:
         self.use_predictions = self.controller.on_refresh(step, healthy, reason)
 
     def _aged(self, step: int, H: int) -> dict[str, float]:
-        out = {}
-        for request_id, (c, at) in self.predictions.items():
-            out[request_id] = float(H) if c >= H else max(c - (step - at), 1.0)
-        return out
+        ids = list(self.predictions)
+        answered = np.fromiter((self.predictions[r][0] for r in ids), np.float64, len(ids))
+        at = np.fromiter((self.predictions[r][1] for r in ids), np.int64, len(ids))
+        return dict(zip(ids, aged_c_hat(answered, step - at, H).tolist(), strict=True))
 
     def _report(self) -> None:
         outcomes = self.fleet.take_outcomes()

@@ -70,3 +70,13 @@ class OraclePredictor:
 
     def observe(self, finished: FinishedBatch) -> None:
         return None
+
+
+def aged_c_hat(c_hat: np.ndarray, elapsed: np.ndarray, horizon: int) -> np.ndarray:
+    """A ``c_hat`` answered ``elapsed`` steps ago, as of now: ``max(c_hat - elapsed, 1)``.
+
+    An answer at the cap H stays at H ("at least H" says nothing about when it ends), and an
+    active request always runs its next step, hence the floor of 1.
+    """
+    c_hat = np.asarray(c_hat, dtype=np.float64)
+    return np.where(c_hat >= horizon, float(horizon), np.maximum(c_hat - elapsed, 1.0))

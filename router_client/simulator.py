@@ -39,7 +39,7 @@ from .errors import ParameterError
 from .fallback import FallbackController, Switch
 from .fleet import FleetView, WaitingRequest
 from .policies import Policy
-from .predictors import ActiveBatch, FinishedBatch, Predictor
+from .predictors import ActiveBatch, FinishedBatch, Predictor, aged_c_hat
 from .traces import Trace
 
 # Default step-time model: about 0.15 us per KV token and 10 ms fixed per step. With the
@@ -240,10 +240,8 @@ def simulate(
             idx = np.flatnonzero(active)
             c_hat = None
             if use_predictions and have_prediction:
-                elapsed = step - slot_chat_step[idx]
                 known = slot_chat_step[idx] >= 0
-                base = slot_chat[idx]
-                aged = np.where(base >= H, float(H), np.maximum(base - elapsed, 1.0))
+                aged = aged_c_hat(slot_chat[idx], step - slot_chat_step[idx], H)
                 c_hat = np.where(known, aged, float(H))
             elif policy.needs_predictions:
                 fallback_steps += 1

@@ -232,10 +232,11 @@ class StreamState:
     samples: int = 0
     drifted: bool = False
     since: int | None = None  # sample index of the detection that raised the flag
+    since_time: str | None = None  # and the time of the sample (ISO 8601), when known
     last_detection: int | None = None
     detections: int = 0
 
-    def update(self, value: float) -> bool:
+    def update(self, value: float, when: str | None = None) -> bool:
         index = self.samples
         self.samples += 1
         fired = self.detector.update(value).drift_detected
@@ -245,11 +246,13 @@ class StreamState:
             if not self.drifted:
                 self.drifted = True
                 self.since = index
+                self.since_time = when
         elif self.drifted and self.last_detection is not None and (
             index - self.last_detection >= self.clear_after
         ):
             self.drifted = False
             self.since = None
+            self.since_time = None
         return fired
 
 
@@ -265,21 +268,12 @@ class DriftMonitor:
             "mean_increase:brier_loss",
             WindowShiftDetector("mean_increase", reference, recent, min_effect=loss_effect),
             clear_after)
-        self.since_time: dict[str, str | None] = {"length": None, "loss": None}
 
     def update_length(self, output_tokens: int, when: str | None = None) -> bool:
-        was = self.length.drifted
-        fired = self.length.update(float(output_tokens))
-        if self.length.drifted and not was:
-            self.since_time["length"] = when
-        return fired
+        return self.length.update(float(output_tokens), when)
 
     def update_loss(self, loss: float, when: str | None = None) -> bool:
-        was = self.loss.drifted
-        fired = self.loss.update(loss)
-        if self.loss.drifted and not was:
-            self.since_time["loss"] = when
-        return fired
+        return self.loss.update(loss, when)
 
     @property
     def drifted(self) -> bool:
@@ -287,11 +281,10 @@ class DriftMonitor:
 
     def state(self) -> dict:
         active = [s for s in (self.length, self.loss) if s.drifted]
-        since = [self.since_time["length" if s is self.length else "loss"] for s in active]
         return {
             "drifted": bool(active),
             "detector": ", ".join(s.name for s in active) or None,
-            "since": min((t for t in since if t), default=None),
+            "since": min((s.since_time for s in active if s.since_time), default=None),
             "streams": {
                 s.name: {"drifted": s.drifted, "samples": s.samples, "detections": s.detections,
                          "since_sample": s.since}

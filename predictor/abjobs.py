@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -23,7 +22,7 @@ from models import AbJob, Observation
 from router_client.admission import BalanceRouteParams
 from router_client.errors import TraceError
 from router_client.simulator import DEFAULT_STEP_COST, SimConfig
-from router_client.traces import Trace, parse_trace
+from router_client.traces import Trace
 
 from . import abtest
 
@@ -49,18 +48,10 @@ def trace_from_observations(session: Session, requests: int | None) -> Trace:
                  stamps - stamps[0])
 
 
-def load_job_trace(request: dict, session: Session) -> Trace:
-    if request.get("trace") is not None:
-        spec = request["trace"]
-        return parse_trace(spec["content"], spec["format"], "trace").head(request["requests"])
-    return trace_from_observations(session, request["requests"])
-
-
 class AbJobRunner:
     def __init__(self, sessions: sessionmaker) -> None:
         self.sessions = sessions
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ab-job")
-        self.lock = threading.Lock()
 
     def recover(self) -> None:
         with self.sessions() as session:
@@ -69,14 +60,16 @@ class AbJobRunner:
                                     updated_at=datetime.now(UTC)))
             session.commit()
 
-    def submit(self, request: dict) -> str:
+    def submit(self, request: dict, trace: Trace | None = None) -> str:
+        """Queue a job. ``trace`` is the request's parsed trace (the caller parsed it to
+        validate it); without one the job replays the stored observations."""
         job_id = uuid.uuid4().hex
         now = datetime.now(UTC)
         with self.sessions() as session:
             session.add(AbJob(id=job_id, status="queued", progress=0.0,
                               request=json.dumps(request), created_at=now, updated_at=now))
             session.commit()
-        self.executor.submit(self._run, job_id, request)
+        self.executor.submit(self._run, job_id, request, trace)
         return job_id
 
     def get(self, job_id: str) -> dict | None:
@@ -95,7 +88,7 @@ class AbJobRunner:
                             .values(updated_at=datetime.now(UTC), **values))
             session.commit()
 
-    def _run(self, job_id: str, request: dict) -> None:
+    def _run(self, job_id: str, request: dict, trace: Trace | None) -> None:
         self._set(job_id, status="running")
         last = [0.0]
 
@@ -105,8 +98,9 @@ class AbJobRunner:
                 self._set(job_id, progress=round(min(fraction, 1.0), 4))
 
         try:
-            with self.sessions() as session:
-                trace = load_job_trace(request, session)
+            if trace is None:
+                with self.sessions() as session:
+                    trace = trace_from_observations(session, request["requests"])
             config = SimConfig(batch=request["batch"], load=request["load"],
                                step_cost=tuple(request["step_cost"] or DEFAULT_STEP_COST),
                                horizon=request["horizon"],

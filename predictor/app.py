@@ -261,15 +261,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.post("/v1/ab-comparisons", status_code=202, tags=["a/b"], dependencies=[WriteAuth])
     def start_ab_comparison(body: AbComparisonIn, service: ServiceDep) -> dict:
         """Start a simulated A/B comparison (background job); poll it by id."""
-        request = body.model_dump()
+        trace = None
         if body.trace is not None:
             try:  # a bad trace is the caller's error, reported now with its line
-                parse_trace(body.trace.content, body.trace.format, "trace")
+                trace = parse_trace(body.trace.content, body.trace.format, "trace")
             except TraceError as exc:
                 raise RequestValidationError([{"loc": ("body", "trace", "content"),
                                                "msg": str(exc), "type": "trace_format"}]
                                              ) from None
-        return {"id": app.state.ab_jobs.submit(request)}
+            trace = trace.head(body.requests)
+        return {"id": app.state.ab_jobs.submit(body.model_dump(), trace)}
 
     @app.get("/v1/ab-comparisons/{job_id}", response_model=AbJobOut, tags=["a/b"])
     def get_ab_comparison(job_id: str) -> dict:

@@ -28,7 +28,7 @@ class Observation(Base):
     id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
     request_id: Mapped[str] = mapped_column(String(128), unique=True, nullable=False)
     prompt_key: Mapped[str | None] = mapped_column(String(256), nullable=True)
-    prompt_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)  # None: unknown
     output_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
     finish_reason: Mapped[str] = mapped_column(String(16), nullable=False)
     censored: Mapped[bool] = mapped_column(Boolean, nullable=False)

@@ -30,7 +30,8 @@ log = logging.getLogger("balanceroute.ab")
 
 
 def trace_from_observations(session: Session, requests: int | None) -> Trace:
-    """The service's stored observations as a trace: arrivals in completion order."""
+    """The service's stored observations as a trace: arrivals in completion order; an unknown
+    prompt length is replayed as the median of the known ones."""
     query = (select(Observation.completed_at, Observation.prompt_tokens,
                     Observation.output_tokens, Observation.censored, Observation.prompt_key)
              .where(Observation.output_tokens > 0)
@@ -42,7 +43,11 @@ def trace_from_observations(session: Session, requests: int | None) -> Trace:
         raise TraceError("observations", "the service has no stored observations to replay")
     stamps = np.asarray([(r[0] if r[0].tzinfo else r[0].replace(tzinfo=UTC)).timestamp()
                          for r in rows])
-    return Trace("observations", np.asarray([r[1] for r in rows], dtype=np.int64),
+    # An observation reported without its prompt length replays with the median known one.
+    known = [r[1] for r in rows if r[1] is not None]
+    typical = int(np.median(known)) if known else 0
+    prompts = np.asarray([typical if r[1] is None else r[1] for r in rows], dtype=np.int64)
+    return Trace("observations", prompts,
                  np.asarray([r[2] for r in rows], dtype=np.int64),
                  np.asarray([r[3] for r in rows], dtype=bool), [r[4] for r in rows],
                  stamps - stamps[0])

@@ -18,29 +18,46 @@ import numpy as np
 
 from router_client.admission import BalanceRouteParams
 from router_client.errors import UnknownPolicyError
-from router_client.policies import BASELINES, make_policy
+from router_client.policies import make_policy, policy_specs
 from router_client.predictors import OraclePredictor, Predictor
 from router_client.simulator import SimConfig, SimResult, simulate
 from router_client.traces import Trace
 
-from .learners import ESTIMATORS, LearnerPredictor
+from .estimators import estimator_specs, spec_for_policy
+from .estimators.in_process import LearnerPredictor
+from .settings import Settings
 
 log = logging.getLogger(__name__)
 
-DEFAULT_POLICIES = ("rr", "jsq", "p2c", "ltl", "br0", "brh-survival", "brh-exactmatch",
-                    "brh-oracle")
 BASELINE_FOR_RATIOS = "jsq"
 
 
-def estimator_key(policy: str) -> str:
-    """``brh-exactmatch`` -> ``exact_match``; ``brh-survival`` -> ``survival``."""
-    name = policy.removeprefix("brh-").replace("-", "_")
-    return "exact_match" if name == "exactmatch" else name
+ORACLE_POLICY = "brh-oracle"
 
 
 def known_policies() -> list[str]:
-    estimators = ["brh-" + ("exactmatch" if k == "exact_match" else k) for k in ESTIMATORS]
-    return [*BASELINES, "br0", *estimators, "brh-oracle"]
+    """Every policy an A/B comparison can run: the registered policies that need no
+    predictor, one ``brh-<name>`` per registered estimator, and the oracle."""
+    plain = [p.name for p in policy_specs() if not p.needs_predictions]
+    return [*plain, *(e.policy for e in estimator_specs()), ORACLE_POLICY]
+
+
+def default_policies() -> list[str]:
+    """What ``ab`` runs when not told: every known policy but ``random`` and the bare ``brh``
+    (which needs a predictor named by its suffix)."""
+    return [p for p in known_policies() if p not in ("random", "brh")]
+
+
+def needs_predictor(policy: str) -> bool:
+    return policy == ORACLE_POLICY or spec_for_policy(policy) is not None
+
+
+def estimator_name(policy: str) -> str:
+    """The estimator behind a learned ``brh-*`` policy (``brh-exactmatch`` -> ``exact_match``)."""
+    spec = spec_for_policy(policy)
+    if spec is None:
+        raise UnknownPolicyError(policy, known_policies())
+    return spec.name
 
 
 def validate_policies(names: Sequence[str]) -> list[str]:
@@ -51,12 +68,14 @@ def validate_policies(names: Sequence[str]) -> list[str]:
     return list(names)
 
 
-def make_predictor(policy: str, trace: Trace) -> Predictor | None:
-    if not policy.startswith("brh-"):
-        return None
-    if policy == "brh-oracle":
+def make_predictor(policy: str, trace: Trace, settings: Settings | None = None
+                   ) -> Predictor | None:
+    """The in-process predictor of ``policy``: true lengths for the oracle, a fresh estimator
+    (the service's settings) for ``brh-<estimator>``, none for the rest."""
+    if policy == ORACLE_POLICY:
         return OraclePredictor(trace.output_tokens)
-    return LearnerPredictor(ESTIMATORS[estimator_key(policy)]())
+    spec = spec_for_policy(policy)
+    return LearnerPredictor(spec.build(settings)) if spec is not None else None
 
 
 def http_predictor_factory(url: str, run_tag: str, timeout_s: float = 0.5,
@@ -69,9 +88,9 @@ def http_predictor_factory(url: str, run_tag: str, timeout_s: float = 0.5,
     counter = iter(range(1_000_000))
 
     def factory(policy: str, trace: Trace) -> Predictor | None:
-        if not policy.startswith("brh-") or policy == "brh-oracle":
+        if policy == ORACLE_POLICY or spec_for_policy(policy) is None:
             return make_predictor(policy, trace)
-        return HttpPredictor(url, estimator_key(policy), timeout_s=timeout_s, token=token,
+        return HttpPredictor(url, estimator_name(policy), timeout_s=timeout_s, token=token,
                              id_prefix=f"{run_tag}-{next(counter)}-{policy}-")
 
     return factory
@@ -110,7 +129,7 @@ def run_comparison(
             if progress is not None:
                 progress((number + fraction) / len(runs), label)
 
-        policy = make_policy(name, seed=config.seed, brh_params=params)
+        policy = make_policy(name, seed=config.seed, params=params)
         predictor = predictor_factory(name, trace)
         try:
             result: SimResult = simulate(trace, policy, replace(config, workers=g), predictor,

@@ -19,6 +19,7 @@ import orjson
 
 from router_client.synth import synthesize
 
+from .estimators import Features
 from .livesrv import live_server
 from .service import PredictorService
 from .settings import Settings
@@ -66,7 +67,7 @@ def bench_predictor(items: int = 1024, rounds: int = 300, ingest_batches: int = 
         times = []
         for _ in range(rounds):
             t0 = time.perf_counter()
-            service.contributions(generated, keys, 80)
+            service.contributions(Features.of(generated, keys), 80)
             times.append(time.perf_counter() - t0)
         result["in_process"] = _percentiles(times)
         service.engine.dispose()
@@ -99,7 +100,7 @@ def bench_calibration(scored: int = 100_000, rounds: int = 30) -> dict:
     from .plots import reliability_png
 
     rng = np.random.default_rng(0)
-    tracker = CalibrationTracker(sample_rate=1.0, capacity=scored)
+    tracker = CalibrationTracker(["survival", "exact_match"], sample_rate=1.0, capacity=scored)
     p = rng.random(scored)
     ended = rng.random(scored) < p
     for i in range(scored):

@@ -38,9 +38,6 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-ESTIMATOR_CODES = {"survival": 0, "exact_match": 1}
-ESTIMATOR_NAMES = {code: name for name, code in ESTIMATOR_CODES.items()}
-
 
 def sampled(request_id: str, generated: int, rate: float) -> bool:
     if rate >= 1.0:
@@ -58,7 +55,7 @@ class Shadow:
     estimator: str
     p_fin: float
     c_hat: float
-    hit: bool  # ExactMatch answered from the key's bucket (not the fallback)
+    hit: bool  # the estimator answered itself (ExactMatch: from the key's bucket), no fallback
 
 
 @dataclass(frozen=True)
@@ -97,9 +94,10 @@ def score_outcome(pending: Pending, output_tokens: int, censored: bool) -> list[
 class ScoredBuffer:
     """Columnar ring buffer of scored predictions."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, names: list[str]) -> None:
         self.capacity = capacity
-        self.estimator = np.zeros(capacity, dtype=np.int8)
+        self.codes = {name: code for code, name in enumerate(names)}
+        self.estimator = np.zeros(capacity, dtype=np.int16)
         self.horizon = np.zeros(capacity, dtype=np.int32)
         self.p_fin = np.zeros(capacity)
         self.c_hat = np.zeros(capacity)
@@ -110,8 +108,11 @@ class ScoredBuffer:
         self.count = 0  # total ever added
 
     def add(self, s: Scored) -> None:
+        code = self.codes.get(s.estimator)
+        if code is None:
+            return  # an estimator no longer registered (stored before a change of set)
         i = self.count % self.capacity
-        self.estimator[i] = ESTIMATOR_CODES[s.estimator]
+        self.estimator[i] = code
         self.horizon[i] = s.horizon
         self.p_fin[i] = s.p_fin
         self.c_hat[i] = s.c_hat
@@ -152,7 +153,7 @@ def summarize(p: np.ndarray, y: np.ndarray, c: np.ndarray, realized: np.ndarray,
     n = int(p.size)
     if n == 0:
         return {"estimator": estimator, "scored": 0, "brier": None, "ece": None,
-                "bins": reliability(p, y, bins)[0], "mae_c_hat": None,
+                "bins": reliability(p, y, bins)[0], "mae_c_hat": None, "hit_rate": None,
                 "exact_match_hit_rate": None}
     table, ece = reliability(p, y.astype(np.float64), bins)
     return {
@@ -162,6 +163,7 @@ def summarize(p: np.ndarray, y: np.ndarray, c: np.ndarray, realized: np.ndarray,
         "ece": ece,
         "bins": table,
         "mae_c_hat": float(np.mean(np.abs(c - realized))),
+        "hit_rate": float(hit.mean()),
         "exact_match_hit_rate": float(hit.mean()) if estimator == "exact_match" else None,
     }
 
@@ -302,23 +304,25 @@ class CalibrationTracker:
     the ring wraps, the oldest pending prediction is dropped and counted.
     """
 
-    def __init__(self, sample_rate: float = 0.1, max_pending: int = 200_000,
+    def __init__(self, names: list[str], sample_rate: float = 0.1, max_pending: int = 200_000,
                  capacity: int = 200_000) -> None:
+        self.names = list(names)
+        self.codes = {name: code for code, name in enumerate(self.names)}
         self.sample_rate = sample_rate
         self.max_pending = max_pending
-        width = len(ESTIMATOR_CODES)
+        width = len(self.names)
         self.slot_owner = np.full(max_pending, None, dtype=object)
         self.slot_generated = np.zeros(max_pending, dtype=np.int64)
         self.slot_horizon = np.zeros(max_pending, dtype=np.int32)
         self.slot_p = np.zeros((max_pending, width))
         self.slot_c = np.zeros((max_pending, width))
         self.slot_has = np.zeros((max_pending, width), dtype=bool)
-        self.slot_hit = np.zeros(max_pending, dtype=bool)
+        self.slot_hit = np.zeros((max_pending, width), dtype=bool)
         self.pending: dict[str, tuple[int, ...]] = {}
         self.pending_count = 0
         self.dropped = 0
         self.next_slot = 0
-        self.scored = ScoredBuffer(capacity)
+        self.scored = ScoredBuffer(capacity, self.names)
 
     def _take_slot(self, request_id: str) -> int:
         slot = self.next_slot % self.max_pending
@@ -338,27 +342,29 @@ class CalibrationTracker:
         self.slot_has[slot] = False
         self.slot_hit[slot] = False
         for shadow in pending.shadows:
-            code = ESTIMATOR_CODES[shadow.estimator]
+            code = self.codes[shadow.estimator]
             self.slot_p[slot, code] = shadow.p_fin
             self.slot_c[slot, code] = shadow.c_hat
             self.slot_has[slot, code] = True
-            self.slot_hit[slot] |= shadow.hit
+            self.slot_hit[slot, code] = shadow.hit
 
     def record_batch(self, request_ids: list[str], generated: np.ndarray, horizon: int,
                      p_fin: dict[str, np.ndarray], c_hat: dict[str, np.ndarray],
-                     hit: np.ndarray) -> None:
-        """Record sampled items at once: one column per estimator."""
+                     hit: dict[str, np.ndarray]) -> None:
+        """Record sampled items at once: one column per estimator; ``hit`` marks items the
+        estimator answered itself (not from a fallback)."""
         slots = np.fromiter((self._take_slot(r) for r in request_ids), dtype=np.int64,
                             count=len(request_ids))
         self.slot_generated[slots] = generated
         self.slot_horizon[slots] = horizon
         self.slot_has[slots] = False
-        for name, code in ESTIMATOR_CODES.items():
+        self.slot_hit[slots] = False
+        for name, code in self.codes.items():
             if name in p_fin:
                 self.slot_p[slots, code] = p_fin[name]
                 self.slot_c[slots, code] = c_hat[name]
                 self.slot_has[slots, code] = True
-        self.slot_hit[slots] = hit
+                self.slot_hit[slots, code] = hit[name]
 
     def resolve(self, request_id: str, output_tokens: int, censored: bool) -> list[Scored]:
         slots = self.pending.pop(request_id, None)
@@ -372,8 +378,8 @@ class CalibrationTracker:
             self.pending_count -= 1
             shadows = tuple(
                 Shadow(name, float(self.slot_p[slot, code]), float(self.slot_c[slot, code]),
-                       bool(self.slot_hit[slot]) and name == "exact_match")
-                for name, code in ESTIMATOR_CODES.items() if self.slot_has[slot, code])
+                       bool(self.slot_hit[slot, code]))
+                for name, code in self.codes.items() if self.slot_has[slot, code])
             pending = Pending(int(self.slot_generated[slot]), int(self.slot_horizon[slot]),
                               shadows)
             out.extend(score_outcome(pending, output_tokens, censored))
@@ -390,11 +396,11 @@ class CalibrationTracker:
         mask = np.ones(n, dtype=bool)
         if horizon is not None:
             mask &= buf.horizon[:n][order] == horizon
-        names = [estimator] if estimator else list(ESTIMATOR_CODES)
+        names = [estimator] if estimator else self.names
         codes = buf.estimator[:n][order]
         result = []
         for name in names:
-            selected = order[mask & (codes == ESTIMATOR_CODES[name])]
+            selected = order[mask & (codes == self.codes[name])]
             if window is not None:
                 selected = selected[-window:]
             result.append(summarize(buf.p_fin[selected], buf.ended[selected],

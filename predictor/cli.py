@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from importlib.resources import files
 from pathlib import Path
 
 from router_client.admission import BalanceRouteParams
@@ -21,10 +22,9 @@ from . import abtest
 
 
 def bundled_trace() -> Path:
-    """The copy of the Azure 2023 conversation trace shipped with the package."""
-    return Path(__file__).resolve().parent.parent / "router_client" / "data" / (
-        "AzureLLMInferenceTrace_conv.csv"
-    )
+    """The copy of the Azure 2023 conversation trace shipped with the package (found as
+    package data, so a regular ``pip install`` has it too)."""
+    return Path(str(files("router_client") / "data" / "AzureLLMInferenceTrace_conv.csv"))
 
 
 class Progress:
@@ -113,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--requests", type=int, default=None, help="replay the first N requests")
     ab.add_argument("--load", type=_load, default=1.0,
                     help="arrival rate relative to saturation, or 'backlog' (default 1.0)")
-    ab.add_argument("--policies", type=_policies, default=list(abtest.DEFAULT_POLICIES),
-                    help=f"comma-separated (default: {','.join(abtest.DEFAULT_POLICIES)})")
+    ab.add_argument("--policies", type=_policies, default=abtest.default_policies(),
+                    help=f"comma-separated, of {','.join(abtest.known_policies())} "
+                    f"(default: {','.join(abtest.default_policies())})")
     ab.add_argument("--step-cost", type=_step_cost, default=DEFAULT_STEP_COST,
                     help="A,B: step time = A * max load + B seconds (default {:g},{:g})".format(
                         *DEFAULT_STEP_COST))

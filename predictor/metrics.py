@@ -34,3 +34,21 @@ class Metrics:
         self.drifted = Gauge("balanceroute_drifted", "1 while drift is flagged", registry=r)
         self.observations = Gauge("balanceroute_observations", "observations in the learners",
                                   registry=r)
+
+
+def refresh_gauges(service, metrics: Metrics) -> None:
+    """Gauges that mirror the service's state (``service``: a PredictorService)."""
+    metrics.buckets.set(service.buckets)
+    metrics.model_version.set(service.model_version)
+    metrics.observations.set(service.observations)
+    metrics.hit_rate.set(service.hit_rate)
+    metrics.drifted.set(1.0 if service.drift.drifted else 0.0)
+
+
+def refresh_calibration_gauges(report: dict, metrics: Metrics) -> None:
+    if report["horizon"] is not None or report["window"] is not None:
+        return  # gauges describe the unfiltered report
+    for entry in report["estimators"]:
+        if entry["scored"]:
+            metrics.ece.labels(entry["estimator"]).set(entry["ece"])
+            metrics.brier.labels(entry["estimator"]).set(entry["brier"])

@@ -9,16 +9,40 @@ from typing import (
     NotRequired,  # pydantic needs these on Python < 3.12
 )
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
 from typing_extensions import TypedDict
 
 from router_client.traces import key_of_text
+
+from .estimators import estimator_names
 
 # Lengths are bounded so that no input can blow up a learner's arrays or a 32-bit column.
 MAX_TOKENS = 1_048_576
 TokenCount = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKENS)]
 RequestId = Annotated[str, Field(min_length=1, max_length=128)]
 PromptKey = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+def known_estimator(name: str) -> str:
+    """``auto`` or a registered estimator (read at validation time, so an estimator
+    registered after import is accepted)."""
+    known = ["auto", *estimator_names()]
+    if name not in known:
+        raise ValueError(f"unknown estimator {name!r}; known: {', '.join(known)}")
+    return name
+
+
+EstimatorName = Annotated[str, AfterValidator(known_estimator), Field(
+    description="`auto` (the service's default estimator: BALANCEROUTE_AUTO_ESTIMATOR) or a "
+    "registered estimator: `survival`, `exact_match` and any added to the registry")]
 
 
 class _Keyed(BaseModel):
@@ -38,7 +62,8 @@ class _Keyed(BaseModel):
 
 class ObservationIn(_Keyed):
     request_id: RequestId
-    prompt_tokens: TokenCount = 0
+    prompt_tokens: TokenCount | None = Field(
+        None, description="prompt length in tokens; null or absent when unknown")
     output_tokens: TokenCount
     finish_reason: Literal["stop", "length", "cancelled", "error"] = "stop"
     completed_at: datetime | None = None
@@ -59,8 +84,9 @@ class ObservationsIn(BaseModel):
 
 
 class ObservationsOut(BaseModel):
-    accepted: int
-    duplicates: int
+    accepted: int = Field(description="observations stored by this call")
+    duplicates: int = Field(description="observations whose request_id was already stored "
+                            "(or repeated in the batch): counted once, never twice")
 
 
 class ContributionItem(TypedDict):
@@ -78,7 +104,7 @@ class ContributionItem(TypedDict):
 class ContributionsIn(TypedDict):
     __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
     horizon: NotRequired[Annotated[int, Field(strict=True, ge=1, le=4096)] | None]
-    estimator: NotRequired[Literal["auto", "survival", "exact_match"]]
+    estimator: NotRequired[EstimatorName]
     items: Annotated[list[ContributionItem], Field(
         description="at most BALANCEROUTE_MAX_ITEMS_PER_QUERY (default 65536)")]
 
@@ -96,27 +122,87 @@ def item_key(item: ContributionItem) -> str | None:
 
 
 class ContributionOut(BaseModel):
-    request_id: str
-    c_hat: float
-    p_fin: float
-    mu_rem: float | None
-    estimator: str
-    support: int
+    request_id: str = Field(description="as given, items keep their order")
+    c_hat: float = Field(description="E[min(remaining tokens, H) | generated so far], in [0, H]")
+    p_fin: float = Field(description="probability of ending within H more tokens")
+    mu_rem: float | None = Field(description="mean remaining tokens given that the request "
+                                 "ends within H; null when p_fin is 0")
+    estimator: str = Field(description="what answered this item: the estimator asked for, its "
+                           "fallback (`survival`), or `prior` with nothing learned")
+    support: int = Field(description="observations behind the answer (the key's bucket for "
+                         "exact_match, the whole window for survival, 0 for the prior)")
 
 
 class ContributionsOut(BaseModel):
-    horizon: int
-    model_version: int
-    drifted: bool
+    horizon: int = Field(description="H used for this answer")
+    model_version: int = Field(description="batches of observations learned so far")
+    drifted: bool = Field(description="drift is flagged: routers should fall back to BR-0")
     items: list[ContributionOut]
 
 
 class StatusOut(BaseModel):
-    model_version: int
-    observations: int
-    buckets: int
+    model_version: int = Field(description="batches of observations learned so far")
+    observations: int = Field(description="observations learned")
+    buckets: int = Field(description="per-prompt-key buckets held (ExactMatch)")
+    drifted: bool = Field(description="drift is flagged")
+    uptime_s: float = Field(description="seconds since the process started")
+    estimators: list[str] = Field(description="registered estimators")
+    auto_estimator: str = Field(description="the estimator that answers `auto`")
+
+
+class ReliabilityBin(BaseModel):
+    lo: float = Field(description="lower edge of the p_fin bin")
+    hi: float = Field(description="upper edge of the p_fin bin")
+    mean_pred: float | None = Field(description="mean predicted p_fin in the bin")
+    observed: float | None = Field(description="share that ended within H in the bin")
+    count: int = Field(description="scored predictions in the bin")
+
+
+class EstimatorCalibration(BaseModel):
+    estimator: str
+    scored: int = Field(description="predictions scored against a reported outcome")
+    brier: float | None = Field(description="mean squared error of p_fin")
+    ece: float | None = Field(description="expected calibration error over 10 bins")
+    bins: list[ReliabilityBin]
+    mae_c_hat: float | None = Field(description="mean absolute error of c_hat against the "
+                                    "realized min(remaining, H)")
+    hit_rate: float | None = Field(description="share answered by the estimator itself, not a "
+                                   "fallback")
+    exact_match_hit_rate: float | None = Field(description="hit_rate, for exact_match only")
+
+
+class DriftStream(BaseModel):
     drifted: bool
-    uptime_s: float
+    samples: int
+    detections: int
+    since_sample: int | None
+
+
+class DriftOut(BaseModel):
+    drifted: bool = Field(description="a detector has flagged drift (with hysteresis)")
+    detector: str | None = Field(description="which detectors are up")
+    since: str | None = Field(description="time of the sample that raised the flag")
+    streams: dict[str, DriftStream] = Field(default_factory=dict)
+
+
+class CalibrationOut(BaseModel):
+    horizon: int | None = Field(description="the horizon filter, if any")
+    window: int | None = Field(description="the window filter, if any")
+    estimators: list[EstimatorCalibration]
+    pending: int = Field(description="sampled predictions waiting for their outcome")
+    pending_dropped: int = Field(description="sampled predictions dropped unscored (bound)")
+    sample_rate: float = Field(description="share of contribution items sampled for scoring")
+    drift: DriftOut
+
+
+class HealthOut(BaseModel):
+    status: Literal["ok"]
+
+
+class ReadyOut(BaseModel):
+    status: Literal["ready", "not ready"]
+    learner_loaded: bool
+    database: bool
 
 
 class TraceIn(BaseModel):
@@ -170,11 +256,15 @@ class AbComparisonIn(BaseModel):
         return self
 
 
+class AbJobCreated(BaseModel):
+    id: str = Field(description="poll GET /v1/ab-comparisons/{id}")
+
+
 class AbJobOut(BaseModel):
     id: str
-    status: Literal["queued", "running", "done", "failed"]
-    progress: float
-    results: list[dict]
+    status: Literal["queued", "running", "done", "failed", "cancelled"]
+    progress: float = Field(description="0..1")
+    results: list[dict] = Field(description="rows with the schema of `balanceroute ab --json`")
     error: str | None
     created_at: str
-    request: dict
+    request: dict = Field(description="the validated request")

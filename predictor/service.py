@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from . import store
 from .calibration import CalibrationTracker, DriftMonitor, Scored, sampled
-from .learners import EXACT_MATCH, SURVIVAL, ExactMatchEstimator
+from .estimators import Estimate, Estimator, Features, Outcomes, estimator_specs
 from .settings import Settings
 
 CENSORING_REASONS = ("length", "cancelled", "error")
@@ -34,11 +34,7 @@ class IngestResult:
 
 @dataclass(frozen=True)
 class ContributionAnswer:
-    c_hat: np.ndarray
-    p_fin: np.ndarray
-    mu_rem: np.ndarray
-    estimator: list[str]
-    support: np.ndarray
+    estimate: Estimate
     model_version: int
     drifted: bool = False
 
@@ -55,14 +51,17 @@ class PredictorService:
 
     def _reset_learners(self) -> None:
         s = self.settings
-        self.learner = ExactMatchEstimator(
-            window=s.history, min_support=s.exact_match_min_support,
-            max_buckets=s.exact_match_max_buckets, bucket_window=s.exact_match_bucket_window,
-        )
+        # One instance of every registered estimator, all fed the same observations.
+        self.estimators: dict[str, Estimator] = {
+            spec.name: spec.build(s) for spec in estimator_specs()}
+        self.auto = s.auto_estimator if s.auto_estimator in self.estimators else next(
+            iter(self.estimators))
+        self.auto_queries = 0
+        self.auto_hits = 0
         self.model_version = 0
         self.observations = 0
-        self.tracker = CalibrationTracker(s.calibration_sample_rate, s.calibration_max_pending,
-                                          s.calibration_capacity)
+        self.tracker = CalibrationTracker(list(self.estimators), s.calibration_sample_rate,
+                                          s.calibration_max_pending, s.calibration_capacity)
         self.drift = DriftMonitor(s.drift_length_effect, s.drift_loss_effect,
                                   s.drift_clear_after)
 
@@ -103,9 +102,13 @@ class PredictorService:
             self.loaded = True
 
     def _apply(self, rows: list) -> None:
-        durations = np.fromiter((r[2] for r in rows), dtype=np.int64, count=len(rows))
-        events = np.fromiter((not r[3] for r in rows), dtype=bool, count=len(rows))
-        self.learner.partial_fit(durations, events, [r[4] for r in rows])
+        """Learn from rows shaped like :func:`store.observations_in_order`'s."""
+        outcomes = Outcomes.of(
+            np.fromiter((r[2] for r in rows), dtype=np.int64, count=len(rows)),
+            np.fromiter((r[3] for r in rows), dtype=bool, count=len(rows)),
+            [r[4] for r in rows], [r[6] for r in rows])
+        for estimator in self.estimators.values():
+            estimator.partial_fit(outcomes)
         self.observations += len(rows)
         for row in rows:
             self.drift.update_length(int(row[2]), _iso(row[5]))
@@ -118,7 +121,7 @@ class PredictorService:
         losses = []
         for scored in scores:
             self.tracker.add_scored(scored)
-            if scored.estimator == EXACT_MATCH:  # the auto rule: what routers get by default
+            if scored.estimator == self.auto:  # the auto rule: what routers get by default
                 losses.append((scored.p_fin - float(scored.ended)) ** 2)
         if losses:
             self.drift.update_loss(float(np.mean(losses)), when)
@@ -162,7 +165,7 @@ class PredictorService:
                 store.insert_observations(session=session, rows=rows)
                 session.commit()  # durable before we answer or learn
             self._apply([(None, batch, r["output_tokens"], r["censored"], r["prompt_key"],
-                          r["completed_at"]) for r in rows])
+                          r["completed_at"], r["prompt_tokens"]) for r in rows])
             self.model_version = batch
             self._score(rows)
             return IngestResult(len(fresh), len(observations) - len(fresh), batch)
@@ -189,42 +192,44 @@ class PredictorService:
                                     keep=self.settings.calibration_capacity)
                 session.commit()
 
-    def contributions(self, generated: np.ndarray, keys: list[str | None], horizon: int,
+    def contributions(self, features: Features, horizon: int,
                       estimator: str = "auto") -> ContributionAnswer:
-        """c_hat, p_fin, mu_rem for a batch of active requests (see :meth:`record`)."""
-        with self.lock:
-            if estimator == SURVIVAL:
-                answer = self.learner.fallback_.predict(generated, keys, horizon)
-            elif estimator == EXACT_MATCH:
-                answer = self.learner.predict(generated, keys, horizon, min_support=1)
-            else:
-                answer = self.learner.predict(generated, keys, horizon)
-            return ContributionAnswer(answer.life.c_hat, answer.life.p_fin, answer.life.mu_rem,
-                                      answer.estimator, answer.support, self.model_version,
-                                      self.drift.drifted)
+        """c_hat, p_fin, mu_rem for a batch of active requests (see :meth:`record`).
 
-    def record(self, request_ids: list[str], generated: np.ndarray, keys: list[str | None],
-               horizon: int) -> None:
+        ``estimator`` is a registered name or ``auto`` (``BALANCEROUTE_AUTO_ESTIMATOR``)."""
+        name = self.auto if estimator == "auto" else estimator
+        with self.lock:
+            estimate = self.estimators[name].predict(features, horizon)
+            if estimator == "auto":
+                self.auto_queries += len(features)
+                self.auto_hits += sum(1 for source in estimate.source if source == name)
+            return ContributionAnswer(estimate, self.model_version, self.drift.drifted)
+
+    def record(self, request_ids: list[str], features: Features, horizon: int) -> None:
         """Keep a deterministic sample of a query's items, with every estimator's prediction
         (shadow scoring), for scoring when their outcomes arrive. Runs after the answer has
         been sent."""
         rate = self.settings.calibration_sample_rate
-        picks = [i for i, rid in enumerate(request_ids) if sampled(rid, int(generated[i]), rate)]
+        picks = [i for i, rid in enumerate(request_ids)
+                 if sampled(rid, int(features.generated[i]), rate)]
         if not picks:
             return
         with self.lock:
             if self.observations == 0:
                 return  # nothing learned yet: every estimator answers the prior
-            sub_generated = generated[picks]
-            sub_keys = [keys[i] for i in picks]
-            survival = self.learner.fallback_.predict(sub_generated, sub_keys, horizon)
-            exact = self.learner.predict(sub_generated, sub_keys, horizon, count=False)
+            sub = features.take(picks)
+            answers = {name: est.predict(sub, horizon) for name, est in self.estimators.items()}
             self.tracker.record_batch(
-                [request_ids[i] for i in picks], sub_generated, horizon,
-                {SURVIVAL: survival.life.p_fin, EXACT_MATCH: exact.life.p_fin},
-                {SURVIVAL: survival.life.c_hat, EXACT_MATCH: exact.life.c_hat},
-                np.asarray([e == EXACT_MATCH for e in exact.estimator]),
+                [request_ids[i] for i in picks], sub.generated, horizon,
+                {name: a.p_fin for name, a in answers.items()},
+                {name: a.c_hat for name, a in answers.items()},
+                {name: np.asarray([s == name for s in a.source]) for name, a in answers.items()},
             )
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of ``auto`` items answered by the auto estimator itself (not a fallback)."""
+        return self.auto_hits / self.auto_queries if self.auto_queries else 0.0
 
     def calibration(self, horizon: int | None = None, estimator: str | None = None,
                     window: int | None = None) -> dict:
@@ -240,7 +245,8 @@ class PredictorService:
 
     @property
     def buckets(self) -> int:
-        return len(self.learner.buckets_)
+        """Per-key groups held by the estimators (ExactMatch's buckets)."""
+        return sum(int(getattr(est, "n_groups_", 0)) for est in self.estimators.values())
 
     @property
     def uptime_s(self) -> float:

@@ -13,6 +13,8 @@ class Settings(BaseSettings):
     window; ``0`` = every stored observation, plain Kaplan-Meier). 5000 is a few minutes of a
     busy fleet's completions: enough for a stable curve up to the upper percentiles, short
     enough that a workload change is forgotten after 5000 new completions.
+    ``auto_estimator``: the registered estimator that answers ``estimator: "auto"`` queries
+    (and whose loss the drift detector watches).
     ``exact_match_min_support``: a prompt key's bucket answers once it holds this many
     observations (8: below that, a per-key curve is noisier than the global one).
     ``calibration_sample_rate``: share of contribution items whose predictions are kept for
@@ -27,6 +29,7 @@ class Settings(BaseSettings):
     database_url: str = "sqlite:///./balanceroute.db"
     api_token: str | None = None
     default_horizon: int = Field(80, ge=1, le=4096)
+    auto_estimator: str = "exact_match"
     exact_match_min_support: int = Field(8, ge=1)
     history: int = Field(5000, ge=0)
     exact_match_max_buckets: int = Field(100_000, ge=1)

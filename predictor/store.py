@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from pathlib import Path
+from importlib.resources import files
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, text
 from sqlalchemy.orm import Session
 
-import models
 from models import Observation, ScoredPrediction
 
-MIGRATIONS = Path(models.__file__).resolve().parent.parent / "migrations"
 # SQLite allows 32766 bound parameters per statement in current builds, 999 in old ones.
 IN_CHUNK = 900
 
@@ -37,7 +35,9 @@ def make_engine(url: str) -> Engine:
 def migrate(engine: Engine) -> None:
     """Bring the schema to the newest Alembic revision (from an empty database too)."""
     config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
+    # The migrations are package data (importlib.resources), so a regular, non-editable
+    # ``pip install`` can migrate too.
+    config.set_main_option("script_location", str(files("migrations")))
     config.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
     with engine.begin() as connection:
         config.attributes["connection"] = connection
@@ -83,11 +83,11 @@ def _in_id_order(session: Session, columns: Sequence, chunk: int) -> Iterator[Se
 
 
 def observations_in_order(*, session: Session, chunk: int = 20000) -> Iterator[Sequence]:
-    """All observations as (id, batch, output_tokens, censored, prompt_key, completed_at),
-    in ingestion order."""
+    """All observations as (id, batch, output_tokens, censored, prompt_key, completed_at,
+    prompt_tokens), in ingestion order."""
     return _in_id_order(session, (Observation.id, Observation.batch, Observation.output_tokens,
                                   Observation.censored, Observation.prompt_key,
-                                  Observation.completed_at), chunk)
+                                  Observation.completed_at, Observation.prompt_tokens), chunk)
 
 
 def insert_scored(*, session: Session, rows: Sequence[dict], keep: int) -> None:

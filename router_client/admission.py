@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from .errors import ParameterError
+from .errors import ContractError, ParameterError
 from .fleet import Assignment, FleetView, WaitingRequest
 from .fscore import MarginTable, discounts
 from .projection import projected_loads
@@ -226,5 +226,6 @@ def _best_pair(
         key = (-float(scores[pos]), float(table.loads[worker, 0]), int(worker), pos)
         if best is None or key < best:
             best = key
-    assert best is not None
+    if best is None:
+        raise ContractError("best pair asked with no worker that has a free slot")
     return best[2], best[3]

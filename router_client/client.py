@@ -18,8 +18,9 @@ import numpy as np
 
 from .admission import BalanceRouteParams
 from .fallback import FallbackController, RouterMetrics
-from .policies import BalanceRoutePolicy, Policy
-from .predictors import ActiveBatch, FinishedBatch, Predictor, aged_c_hat
+from .policies import Policy, make_policy
+from .prediction import PredictionCache
+from .predictors import ActiveBatch, FinishedBatch, Predictor
 from .shadow import ShadowPolicy
 from .sse import StreamTelemetry
 from .state import MirroredFleet
@@ -37,21 +38,40 @@ class RouterConfig:
 
 
 class RouterClient:
+    """Mirrored fleet state, the prediction cache and a policy, driven by a proxy's events.
+
+    The policy is BR-H with ``config.params`` (BR-0 when its horizon is 0) unless ``policy``
+    is given (any registered policy, e.g. ``make_policy("jsq")``); ``shadows`` are routed on the
+    same view for comparison only.
+    """
+
     def __init__(self, config: RouterConfig, predictor: Predictor | None = None,
                  shadows: list[Policy] | None = None,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, policy: Policy | None = None) -> None:
         self.config = config
         self.predictor = predictor
         self.fleet = MirroredFleet(config.workers, config.capacity, config.pool_ttl_s,
                                    config.active_ttl_s)
-        base: Policy = BalanceRoutePolicy("brh" if config.params.horizon else "br0",
-                                          config.params)
+        base = policy or make_policy("brh" if config.params.horizon else "br0",
+                                     params=config.params)
         self.policy: Policy = ShadowPolicy(base, shadows) if shadows else base
-        self.controller = FallbackController(config.healthy_to_return, metrics)
+        horizon = config.params.horizon if base.needs_predictions else 0
+        self.predictions = PredictionCache(
+            predictor, horizon, config.refresh_steps,
+            FallbackController(config.healthy_to_return, metrics))
         self.steps = 0
-        self.predictions: dict[str, tuple[float, int]] = {}  # request -> (c_hat, step)
-        self.use_predictions = False
-        self.fallback_rounds = 0
+
+    @property
+    def controller(self) -> FallbackController:
+        return self.predictions.controller
+
+    @property
+    def use_predictions(self) -> bool:
+        return self.predictions.use_predictions
+
+    @property
+    def fallback_rounds(self) -> int:
+        return self.predictions.fallback_rounds
 
     # -- events from the proxy ------------------------------------------------------------
     def on_prefilled(self, request_id: str, prompt_tokens: int, now: float,
@@ -73,28 +93,24 @@ class RouterClient:
         """One step: refresh if due, reap, route; returns (request_id, worker) dispatches."""
         step = self.steps
         self.steps += 1
-        H = self.config.params.horizon
-        if self.predictor is not None and H and step % self.config.refresh_steps == 0:
-            self._refresh(step, H)
+        if self.predictions.due(step):
+            self._refresh(step)
         self.fleet.reap(now)
         dispatches: list[tuple[str, int]] = []
         if self.fleet.pool:
-            c_hat = self._aged(step, H) if self.use_predictions else None
-            view, pool = self.fleet.view(c_hat, H)
-            if H and c_hat is None:
-                self.fallback_rounds += 1
+            c_hat = None
+            if self.policy.needs_predictions:
+                c_hat = self.predictions.c_hat_for(list(self.fleet.active), step)
+            view, pool = self.fleet.view(c_hat)
             for assignment in self.policy.route(view, pool).assignments:
                 request_id = str(pool[assignment.pool_index].request_id)
                 if self.fleet.dispatch(request_id, assignment.worker, now):
                     dispatches.append((request_id, assignment.worker))
-                    if request_id in self.predictions:  # predicted while waiting: its life
-                        c, _ = self.predictions[request_id]  # starts now
-                        self.predictions[request_id] = (c, step)
+                    self.predictions.on_admit(request_id, step)
         self._report()
         return dispatches
 
-    def _refresh(self, step: int, H: int) -> None:
-        assert self.predictor is not None
+    def _refresh(self, step: int) -> None:
         active = list(self.fleet.active.values())
         # Waiting requests are asked too (0 tokens generated), so that a request admitted
         # between refreshes has a prediction from its first step instead of the prior H.
@@ -107,25 +123,11 @@ class RouterClient:
             np.asarray([r.generated for r in active] + [0] * len(waiting), dtype=np.int64),
             [r.prompt_key for r in active] + [w.prompt_key for w in waiting],
         )
-        prediction = self.predictor.predict(batch, H)
-        healthy = prediction.c_hat is not None and not prediction.drifted
-        reason = "ok" if healthy else ("drifted" if prediction.drifted else "unavailable")
-        if healthy:
-            assert prediction.c_hat is not None
-            self.predictions = {request_id: (float(c), step)
-                                for request_id, c in zip(ids, prediction.c_hat, strict=True)}
-        self.use_predictions = self.controller.on_refresh(step, healthy, reason)
-
-    def _aged(self, step: int, H: int) -> dict[str, float]:
-        ids = list(self.predictions)
-        answered = np.fromiter((self.predictions[r][0] for r in ids), np.float64, len(ids))
-        at = np.fromiter((self.predictions[r][1] for r in ids), np.int64, len(ids))
-        return dict(zip(ids, aged_c_hat(answered, step - at, H).tolist(), strict=True))
+        self.predictions.refresh(step, batch, len(active))
 
     def _report(self) -> None:
         outcomes = self.fleet.take_outcomes()
-        for outcome in outcomes:
-            self.predictions.pop(outcome["request_id"], None)
+        self.predictions.forget([o["request_id"] for o in outcomes])
         if not outcomes or self.predictor is None:
             return
         self.predictor.observe(FinishedBatch(

@@ -5,6 +5,9 @@
      +-- TraceError                a trace cannot be used
      |    +-- TraceFormatError     a line of a trace file is malformed (names file and line)
      +-- UnknownPolicyError        a policy name that no registry entry has
+     +-- ContractError             a component broke its contract (a policy admitted a request
+                                   twice, overfilled a worker, named a worker that does not
+                                   exist; a view with a missing column); a bug, not bad input
 """
 
 from __future__ import annotations
@@ -48,3 +51,8 @@ class UnknownPolicyError(BalanceRouteError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0])
+
+
+class ContractError(BalanceRouteError, RuntimeError):
+    """A component broke its contract: a bug in it, not bad input. Raised instead of
+    ``assert`` (which ``python -O`` strips)."""

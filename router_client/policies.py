@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from .admission import BalanceRouteParams, RoundStats, route_round
-from .errors import UnknownPolicyError
+from .errors import ContractError, UnknownPolicyError
 from .fleet import Assignment, FleetView, WaitingRequest
 
 
@@ -97,7 +97,7 @@ class RoundRobinPolicy(_PickOnePolicy):
             if free[worker] > 0:
                 self.next_worker = (worker + 1) % workers
                 return worker
-        raise AssertionError("pick called with no free slot")
+        raise ContractError("pick called with no free slot")
 
 
 class JSQPolicy(_PickOnePolicy):
@@ -146,28 +146,92 @@ class BalanceRoutePolicy:
         return Decision(assignments, stats)
 
 
-BASELINES: dict[str, Callable[[int], Policy]] = {
-    "random": RandomPolicy,
-    "rr": RoundRobinPolicy,
-    "jsq": JSQPolicy,
-    "p2c": P2CPolicy,
-    "ltl": LeastTokenLoadPolicy,
-}
+@dataclass(frozen=True)
+class PolicySpec:
+    """A registered policy.
 
-
-def make_policy(
-    name: str, seed: int = 0, brh_params: BalanceRouteParams | None = None
-) -> Policy:
-    """The policy called ``name``: a baseline, ``br0``, or ``brh-<estimator>``.
-
-    The estimator part of a ``brh-*`` name is the composition root's business (which predictor
-    feeds ``c_hat``); here every ``brh-*`` is BR-H with ``brh_params``.
+    Attributes:
+        name: the policy name; a name ending in ``-`` is a family (``brh-`` covers
+            ``brh-survival``, ``brh-oracle``, ...: the suffix names the predictor, which is
+            the composition root's business).
+        factory: ``factory(name, seed, params)`` builds the policy.
+        params_type: the parameters class it takes (``None``: it takes none).
+        needs_predictions: whether it reads ``fleet.active_c_hat``.
+        description: one line for listings.
     """
-    if name in BASELINES:
-        return BASELINES[name](seed)
-    base = brh_params or BalanceRouteParams()
-    if name == "br0":
-        return BalanceRoutePolicy(name, base.as_br0() if base.horizon else base)
-    if name.startswith("brh-") and len(name) > 4:
-        return BalanceRoutePolicy(name, base)
-    raise UnknownPolicyError(name, [*BASELINES, "br0", "brh-<estimator>"])
+
+    name: str
+    factory: Callable[[str, int, BalanceRouteParams], Policy]
+    params_type: type | None = None
+    needs_predictions: bool = False
+    description: str = ""
+
+    @property
+    def family(self) -> bool:
+        return self.name.endswith("-")
+
+
+_POLICIES: dict[str, PolicySpec] = {}
+
+
+def register_policy(spec: PolicySpec) -> PolicySpec:
+    """Add (or replace) a policy; returns the spec."""
+    _POLICIES[spec.name] = spec
+    return spec
+
+
+def policy_specs() -> list[PolicySpec]:
+    return list(_POLICIES.values())
+
+
+def policy_spec(name: str) -> PolicySpec:
+    """The spec behind ``name``: an exact entry, else the family its prefix names."""
+    spec = _POLICIES.get(name)
+    if spec is not None and not spec.family:
+        return spec
+    for candidate in _POLICIES.values():
+        if candidate.family and name.startswith(candidate.name) and len(name) > len(
+                candidate.name):
+            return candidate
+    raise UnknownPolicyError(name, [p.name + ("<name>" if p.family else "")
+                                    for p in _POLICIES.values()])
+
+
+def baseline(cls: Callable[[int], Policy]) -> Callable[[str, int, BalanceRouteParams], Policy]:
+    return lambda name, seed, params: cls(seed)
+
+
+def _balance_route(name: str, seed: int, params: BalanceRouteParams) -> Policy:
+    return BalanceRoutePolicy(name, params)
+
+
+def _br0(name: str, seed: int, params: BalanceRouteParams) -> Policy:
+    return BalanceRoutePolicy(name, params.as_br0() if params.horizon else params)
+
+
+for _spec in (
+    PolicySpec("random", baseline(RandomPolicy), description="uniform among open workers"),
+    PolicySpec("rr", baseline(RoundRobinPolicy), description="round-robin"),
+    PolicySpec("jsq", baseline(JSQPolicy), description="fewest active requests"),
+    PolicySpec("p2c", baseline(P2CPolicy), description="power of two choices on KV load"),
+    PolicySpec("ltl", baseline(LeastTokenLoadPolicy), description="least KV-token load"),
+    PolicySpec("br0", _br0, BalanceRouteParams, description="BalanceRoute, no prediction"),
+    PolicySpec("brh", _balance_route, BalanceRouteParams, needs_predictions=True,
+               description="BalanceRoute with lookahead (predictor chosen by the caller)"),
+    PolicySpec("brh-", _balance_route, BalanceRouteParams, needs_predictions=True,
+               description="BalanceRoute with lookahead, predictor named by the suffix"),
+):
+    register_policy(_spec)
+
+BASELINES = ("random", "rr", "jsq", "p2c", "ltl")
+
+
+def make_policy(name: str, seed: int = 0, params: BalanceRouteParams | None = None) -> Policy:
+    """The policy called ``name``: a baseline, ``br0``, ``brh`` or ``brh-<estimator>``.
+
+    ``params`` configures BR-0 and BR-H; baselines take none. The estimator part of a
+    ``brh-*`` name is the composition root's business (which predictor feeds ``c_hat``);
+    here every ``brh-*`` is BR-H with ``params``.
+    """
+    spec = policy_spec(name)
+    return spec.factory(name, seed, params or BalanceRouteParams())

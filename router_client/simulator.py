@@ -11,20 +11,17 @@ traces without times get Poisson arrivals at that rate (seeded). ``backlog`` kee
 topped up to ``4 * G`` requests in trace order. Prefill is not simulated: a request enters the
 waiting pool at its arrival step, and the policy sees the oldest ``pool_window`` of them.
 
-Predictions: a policy that needs them gets ``c_hat`` for every active request from the
-predictor, refreshed every ``refresh_steps`` steps; in between, the last answer is aged by
-the steps elapsed (``max(c_hat - elapsed, 1)``; an answer at the cap H stays at H, since
-"at least H" says nothing about when). Each refresh also asks about the oldest
-``pool_window`` waiting requests (0 tokens generated, ``predict_pool``), so a request admitted
-between refreshes starts with its own prediction; one admitted without any counts as
-``c_hat = H`` (the conservative prior) until the next refresh. A :class:`FallbackController` decides
-after each refresh whether BR-H may use predictions: a failed or drifted refresh switches to
-BR-0 at once, ``healthy_to_return`` healthy refreshes switch back. Routing rounds of a BR-H
-policy run as BR-0 meanwhile count in ``fallback_steps``. Finished
-requests are reported to the predictor at the end of the step they finish in, so it never sees
-a request before it ends.
+Predictions go through :class:`~router_client.prediction.PredictionCache`, the same component
+:class:`~router_client.client.RouterClient` runs in production: refresh every
+``refresh_steps`` steps (waiting requests included), aging in between, the fallback controller,
+``c_hat = H`` for a request admitted without a prediction. Routing rounds of a BR-H policy
+run as BR-0 meanwhile count in ``fallback_steps``. Finished requests are reported to the
+predictor at the end of the step they finish in, so it never sees a request before it ends.
 
-Determinism: everything random comes from ``seed``; the clock is advanced only here.
+Structure: :class:`Simulation` owns the run (arrivals, the prediction cache, routing);
+:class:`Engine` owns the slots and is the only thing that advances the clock;
+:class:`MetricsCollector` records each step and builds the result row.
+Determinism: everything random comes from ``seed``.
 """
 
 from __future__ import annotations
@@ -35,11 +32,12 @@ from time import perf_counter
 
 import numpy as np
 
-from .errors import ParameterError
+from .errors import ContractError, ParameterError
 from .fallback import FallbackController, Switch
-from .fleet import FleetView, WaitingRequest
+from .fleet import Assignment, FleetView, WaitingRequest
 from .policies import Policy
-from .predictors import ActiveBatch, FinishedBatch, Predictor, aged_c_hat
+from .prediction import PredictionCache
+from .predictors import ActiveBatch, FinishedBatch, Predictor
 from .traces import Trace
 
 # Default step-time model: about 0.15 us per KV token and 10 ms fixed per step. With the
@@ -88,6 +86,10 @@ class SimConfig:
         if self.pool_window < 1:
             raise ParameterError("pool_window", "must be >= 1")
 
+    @property
+    def backlog(self) -> bool:
+        return isinstance(self.load, str)
+
 
 @dataclass
 class SimResult:
@@ -104,7 +106,8 @@ class SimResult:
 
 def arrival_steps(trace: Trace, config: SimConfig) -> np.ndarray:
     """Arrival step of each request (fractional) for a numeric ``load``."""
-    assert not isinstance(config.load, str)
+    if isinstance(config.load, str):
+        raise ParameterError("load", "arrival steps need a numeric load, not 'backlog'")
     rate = config.load * config.workers * config.batch / float(trace.output_tokens.mean())
     n = len(trace)
     if trace.arrival_s is None:
@@ -119,6 +122,324 @@ def arrival_steps(trace: Trace, config: SimConfig) -> np.ndarray:
     return (trace.arrival_s - trace.arrival_s[0]) * steps_per_second
 
 
+class Engine:
+    """G workers of B slots: the only owner of the clock.
+
+    Slot ``g * B + j`` is slot j of worker g. Each slot holds a request id (-1 when free), its
+    size ``s + a``, tokens generated ``a`` and output length ``o``.
+    """
+
+    def __init__(self, workers: int, batch: int, step_cost: tuple[float, float]) -> None:
+        self.workers, self.batch = workers, batch
+        self.step_cost = step_cost
+        slots = workers * batch
+        self.request = np.full(slots, -1, dtype=np.int64)
+        self.size = np.zeros(slots, dtype=np.int64)
+        self.generated = np.zeros(slots, dtype=np.int64)
+        self.output = np.zeros(slots, dtype=np.int64)
+        self.worker = np.repeat(np.arange(workers, dtype=np.int64), batch)
+        self.clock = 0.0
+
+    @property
+    def active(self) -> np.ndarray:
+        return self.request >= 0
+
+    def loads(self, active: np.ndarray) -> np.ndarray:
+        return np.bincount(self.worker[active], weights=self.size[active],
+                           minlength=self.workers)
+
+    def view(self, c_hat: np.ndarray | None = None) -> FleetView:
+        idx = np.flatnonzero(self.active)
+        return FleetView(
+            capacity=self.batch,
+            loads=np.bincount(self.worker[idx], weights=self.size[idx], minlength=self.workers),
+            active_counts=np.bincount(self.worker[idx], minlength=self.workers),
+            active_worker=self.worker[idx],
+            active_size=self.size[idx].astype(np.float64),
+            active_c_hat=c_hat,
+        )
+
+    def free_slot(self, worker: int) -> int:
+        """The first free slot of ``worker``; raises when the worker is full."""
+        row = self.request[worker * self.batch:(worker + 1) * self.batch]
+        free = np.flatnonzero(row < 0)
+        if free.size == 0:
+            raise ContractError(f"more than B={self.batch} requests put on worker {worker}")
+        return worker * self.batch + int(free[0])
+
+    def place(self, worker: int, request: int, prompt: int, output: int) -> None:
+        slot = self.free_slot(worker)
+        self.request[slot] = request
+        self.size[slot] = prompt
+        self.generated[slot] = 0
+        self.output[slot] = output
+
+    def idle(self, steps: int) -> None:
+        """Nothing runs for ``steps`` steps: the engine ticks at the fixed cost."""
+        self.clock += steps * self.step_cost[1]
+
+    def decode(self, active: np.ndarray, top: float) -> tuple[np.ndarray, np.ndarray]:
+        """One decode step of every active request (the barrier costs ``a * top + b``).
+
+        Returns the ids that produced their first token and the ids that finished."""
+        self.clock += self.step_cost[0] * top + self.step_cost[1]
+        started = self.request[active & (self.generated == 0)]
+        self.generated[active] += 1
+        self.size[active] += 1
+        done = active & (self.generated >= self.output)
+        finished = self.request[done]
+        self.request[done] = -1
+        return started, finished
+
+
+class MetricsCollector:
+    """Per-step records (an idle stretch is one record of several steps) and per-request
+    times; :meth:`row` turns them into the API.md result row."""
+
+    def __init__(self, n: int) -> None:
+        self.weight: list[int] = []
+        self.top: list[float] = []
+        self.low: list[float] = []
+        self.total: list[float] = []
+        self.tokens: list[int] = []
+        self.steps: list[int] = []
+        self.trajectory: list[np.ndarray] = []
+        self.enter_step = np.full(n, -1, dtype=np.int64)
+        self.enter_clock = np.zeros(n)
+        self.admit_step = np.full(n, -1, dtype=np.int64)
+        self.assigned_worker = np.full(n, -1, dtype=np.int64)
+        self.first_token_clock = np.full(n, np.nan)
+        self.finish_clock = np.full(n, np.nan)
+        self.finish_step = np.full(n, -1, dtype=np.int64)
+        self.guard_admissions = 0
+        self.fallback_rounds: list[int] = []
+        self.last_admission_step = -1
+        self.completed = 0
+
+    def record(self, weight: int, loads: np.ndarray | None, tokens: int, step: int) -> None:
+        self.weight.append(weight)
+        self.top.append(float(loads.max()) if loads is not None else 0.0)
+        self.low.append(float(loads.min()) if loads is not None else 0.0)
+        self.total.append(float(loads.sum()) if loads is not None else 0.0)
+        self.tokens.append(tokens)
+        self.steps.append(step)
+
+    def row(self, name: str, config: SimConfig, outputs: np.ndarray, clock: float,
+            final_step: int) -> dict[str, float | int | str | None]:
+        a_cost, b_cost = config.step_cost
+        G = config.workers
+        weight, steps = np.asarray(self.weight), np.asarray(self.steps)
+        top, low, total = np.asarray(self.top), np.asarray(self.low), np.asarray(self.total)
+        window = steps <= self.last_admission_step
+        w = weight[window]
+        steps_in_window = float(w.sum()) if w.size else 0.0
+        step_time = a_cost * top + b_cost
+        busy_time = float((w * step_time[window]).sum())
+        tokens_window = float(np.asarray(self.tokens)[window].sum())
+        idle = float((w * a_cost * (G * top[window] - total[window])).sum())
+        denominator = float((w * G * step_time[window]).sum())
+        balanced_time = float((w * (a_cost * total[window] / G + b_cost)).sum())
+        last = self.last_admission_step
+        drain = int(final_step - (last + 1)) if last >= 0 else 0
+        return {
+            "policy": name, "workers": G, "batch": config.batch, "requests": int(outputs.size),
+            "completed": self.completed,
+            "imbalance_maxmin_mean": _mean(w, (top - low)[window], steps_in_window),
+            "imbalance_total_mean": _mean(w, (G * top - total)[window], steps_in_window),
+            "barrier_idle_fraction": idle / denominator if denominator else 0.0,
+            "throughput_tok_s": tokens_window / busy_time if busy_time else 0.0,
+            "balanced_bound_tok_s": tokens_window / balanced_time if busy_time else 0.0,
+            **self._latencies(outputs),
+            "starvation_guard_admissions": self.guard_admissions,
+            "fallback_steps": len(self.fallback_rounds),
+            "drain_steps": drain, "makespan_s": clock, "routing_steps": int(steps_in_window),
+        }
+
+    def _latencies(self, outputs: np.ndarray) -> dict[str, float | None]:
+        last = self.last_admission_step
+        done = (self.finish_step >= 0) & (self.finish_step <= last) & (outputs > 1)
+        tpot = ((self.finish_clock[done] - self.first_token_clock[done])
+                / (outputs[done] - 1))
+        ttft = self.first_token_clock - self.enter_clock
+        wait = (self.admit_step - self.enter_step)[self.admit_step >= 0].astype(np.float64)
+        return {
+            "tpot_p50_ms": _percentile(tpot, 50, 1000.0),
+            "tpot_p95_ms": _percentile(tpot, 95, 1000.0),
+            "ttft_p95_ms": _percentile(ttft, 95, 1000.0),
+            "pool_wait_p95_steps": _percentile(wait, 95),
+        }
+
+
+class Simulation:
+    """One replay of ``trace`` through ``policy``; :meth:`run` returns the result.
+
+    ``step_hook(step)`` is called at the start of every step (tests use it to stop and start
+    a live prediction service mid-run).
+    """
+
+    def __init__(self, trace: Trace, policy: Policy, config: SimConfig,
+                 predictor: Predictor | None = None, progress: ProgressCallback | None = None,
+                 step_hook: StepHook | None = None,
+                 fallback: FallbackController | None = None) -> None:
+        self.trace, self.policy, self.config = trace, policy, config
+        self.predictor = predictor if policy.needs_predictions else None
+        self.progress, self.step_hook = progress, step_hook
+        self.prompts = trace.prompt_tokens.astype(np.int64)
+        self.outputs = trace.output_tokens.astype(np.int64)
+        self.arrivals = None if config.backlog else arrival_steps(trace, config)
+        self.engine = Engine(config.workers, config.batch, config.step_cost)
+        self.metrics = MetricsCollector(len(trace))
+        self.cache = PredictionCache(
+            self.predictor, config.horizon if policy.needs_predictions else 0,
+            config.refresh_steps, fallback or FallbackController(config.healthy_to_return))
+        self.pool: list[WaitingRequest] = []
+        self.assigned = np.zeros(len(trace), dtype=bool)
+        self.next_request = 0
+        self.step = 0
+        self._next_report = 0.0
+
+    def run(self) -> SimResult:
+        started = perf_counter()
+        while self._advance():
+            pass
+        if self.progress is not None:
+            self.progress(1.0)
+        row = self.metrics.row(self.policy.name, self.config, self.outputs, self.engine.clock,
+                               self.step)
+        row["sim_wall_s"] = round(perf_counter() - started, 3)
+        m = self.metrics
+        loads = np.asarray(m.trajectory) if self.config.record_trajectory else None
+        return SimResult(row, loads, m.admit_step, m.finish_step, m.assigned_worker,
+                         list(self.cache.controller.switches), m.fallback_rounds)
+
+    def _advance(self) -> bool:
+        """One step: arrivals, refresh, routing round, decode. False when the run is over."""
+        if self.step_hook is not None:
+            self.step_hook(self.step)
+        self._arrive()
+        if self.cache.due(self.step):
+            self._refresh()
+        active = self.engine.active
+        if self.pool and int(active.sum()) < self.engine.request.size:
+            self._route()
+            active = self.engine.active
+        if not active.any():
+            if self.next_request >= len(self.trace) and not self.pool:
+                return False
+            if not self.pool and self.arrivals is not None:
+                self._idle_until_next_arrival()
+                return True
+        self._decode(active)
+        return True
+
+    def _arrive(self) -> None:
+        n, step = len(self.trace), self.step
+        if self.arrivals is None:
+            limit = BACKLOG_DEPTH_PER_WORKER * self.config.workers
+            while len(self.pool) < limit and self.next_request < n:
+                self._enqueue(self.next_request)
+        else:
+            while self.next_request < n and self.arrivals[self.next_request] <= step:
+                self._enqueue(self.next_request)
+
+    def _enqueue(self, request: int) -> None:
+        self.pool.append(WaitingRequest(request, int(self.prompts[request]), self.step,
+                                        self.trace.prompt_keys[request]))
+        self.metrics.enter_step[request] = self.step
+        self.metrics.enter_clock[request] = self.engine.clock
+        self.next_request += 1
+
+    def _refresh(self) -> None:
+        engine = self.engine
+        idx = np.flatnonzero(engine.active)
+        waiting = (np.fromiter((r.request_id for r in self.pool[: self.config.pool_window]),
+                               dtype=np.int64) if self.config.predict_pool
+                   else np.zeros(0, dtype=np.int64))
+        asked = np.concatenate([engine.request[idx], waiting])
+        batch = ActiveBatch(
+            asked, self.prompts[asked],
+            np.concatenate([engine.generated[idx], np.zeros(waiting.size, dtype=np.int64)]),
+            [self.trace.prompt_keys[r] for r in asked],
+        )
+        self.cache.refresh(self.step, batch, int(idx.size))
+
+    def _route(self) -> None:
+        c_hat = None
+        if self.policy.needs_predictions:
+            running = self.engine.request[self.engine.active].tolist()
+            c_hat = self.cache.c_hat_for(running, self.step)
+            if c_hat is None:
+                self.metrics.fallback_rounds.append(self.step)
+        visible = self.pool[: self.config.pool_window]
+        decision = self.policy.route(self.engine.view(c_hat), visible)
+        if not decision.assignments:
+            return
+        taken: set[int] = set()
+        for assignment in decision.assignments:
+            self._check(assignment, taken, visible)
+            taken.add(assignment.pool_index)
+            self._admit(int(visible[assignment.pool_index].request_id), assignment)
+        self.pool = ([r for i, r in enumerate(visible) if i not in taken]
+                     + self.pool[len(visible):])
+        self.metrics.last_admission_step = self.step
+
+    def _check(self, assignment: Assignment, taken: set[int],
+               visible: list[WaitingRequest]) -> None:
+        index, worker = assignment.pool_index, assignment.worker
+        if not 0 <= index < len(visible):
+            raise ContractError(f"assignment of pool index {index}, which is not in the pool")
+        if index in taken:
+            raise ContractError(f"pool index {index} assigned twice in one round")
+        if not 0 <= worker < self.config.workers:
+            raise ContractError(f"assignment to worker {worker}, which does not exist")
+
+    def _admit(self, request: int, assignment: Assignment) -> None:
+        if self.assigned[request]:
+            raise ContractError(f"policy {self.policy.name} admitted request {request} twice")
+        self.engine.place(assignment.worker, request, int(self.prompts[request]),
+                          int(self.outputs[request]))
+        self.assigned[request] = True
+        self.metrics.assigned_worker[request] = assignment.worker
+        self.metrics.admit_step[request] = self.step
+        self.metrics.guard_admissions += int(assignment.starvation_guard)
+        self.cache.on_admit(request, self.step)
+
+    def _idle_until_next_arrival(self) -> None:
+        arrivals = self.arrivals
+        if arrivals is None:
+            raise ContractError("idle stretch without timed arrivals")
+        target = max(self.step + 1, int(np.ceil(arrivals[self.next_request])))
+        idle = target - self.step
+        self.metrics.record(idle, None, 0, self.step)
+        self.engine.idle(idle)
+        self.step = target
+
+    def _decode(self, active: np.ndarray) -> None:
+        engine, m = self.engine, self.metrics
+        loads = engine.loads(active)
+        m.record(1, loads, int(active.sum()), self.step)
+        if self.config.record_trajectory:
+            m.trajectory.append(loads.astype(np.float32))
+        first, finished = engine.decode(active, float(loads.max()))
+        m.first_token_clock[first] = engine.clock
+        if finished.size:
+            m.finish_clock[finished] = engine.clock
+            m.finish_step[finished] = self.step
+            m.completed += int(finished.size)
+            self.cache.forget(finished.tolist())
+            if self.predictor is not None:
+                self.predictor.observe(FinishedBatch(
+                    finished, self.prompts[finished], self.outputs[finished],
+                    self.trace.censored[finished],
+                    [self.trace.prompt_keys[r] for r in finished],
+                ))
+        self.step += 1
+        n = len(self.trace)
+        if self.progress is not None and m.completed / n >= self._next_report:
+            self.progress(m.completed / n)
+            self._next_report = m.completed / n + 0.01
+
+
 def simulate(
     trace: Trace,
     policy: Policy,
@@ -128,250 +449,8 @@ def simulate(
     step_hook: StepHook | None = None,
     fallback: FallbackController | None = None,
 ) -> SimResult:
-    """Replay ``trace`` through ``policy``; returns the result row.
-
-    ``step_hook(step)`` is called at the start of every step (tests use it to stop and start
-    a live prediction service mid-run).
-    """
-    started = perf_counter()
-    G, B = config.workers, config.batch
-    a_cost, b_cost = config.step_cost
-    H = config.horizon
-    n = len(trace)
-    prompts = trace.prompt_tokens.astype(np.int64)
-    outputs = trace.output_tokens.astype(np.int64)
-    backlog = isinstance(config.load, str)
-    arrivals = None if backlog else arrival_steps(trace, config)
-    use_predictions = policy.needs_predictions and predictor is not None
-    controller = fallback or FallbackController(config.healthy_to_return)
-    fallback_rounds: list[int] = []
-
-    slots = G * B
-    slot_req = np.full(slots, -1, dtype=np.int64)
-    slot_size = np.zeros(slots, dtype=np.int64)  # s + a
-    slot_gen = np.zeros(slots, dtype=np.int64)  # a
-    slot_out = np.zeros(slots, dtype=np.int64)  # o
-    slot_chat = np.full(slots, float(H))  # c_hat at the last refresh
-    slot_chat_step = np.full(slots, -1, dtype=np.int64)
-    slot_worker = np.repeat(np.arange(G, dtype=np.int64), B)
-
-    enter_step = np.full(n, -1, dtype=np.int64)
-    enter_clock = np.zeros(n)
-    admit_step = np.full(n, -1, dtype=np.int64)
-    first_token_clock = np.full(n, np.nan)
-    finish_clock = np.full(n, np.nan)
-    finish_step = np.full(n, -1, dtype=np.int64)
-    assigned = np.zeros(n, dtype=bool)
-    assigned_worker = np.full(n, -1, dtype=np.int64)
-    pool_chat = np.full(n, np.nan)  # c_hat of waiting requests, from the last refresh
-
-    pool: list[WaitingRequest] = []
-    next_request = 0
-    step = 0
-    clock = 0.0
-    last_admission_step = -1
-    last_refresh = -(10**9)
-    have_prediction = False
-    fallback_steps = 0
-    guard_admissions = 0
-    completed = 0
-
-    # per-step records (weight: idle stretches are one record of several steps)
-    rec_weight: list[int] = []
-    rec_max: list[float] = []
-    rec_min: list[float] = []
-    rec_sum: list[float] = []
-    rec_tokens: list[int] = []
-    rec_step: list[int] = []
-    trajectory: list[np.ndarray] = []
-    next_report = 0.0
-
-    while True:
-        if step_hook is not None:
-            step_hook(step)
-        # 1. arrivals into the pool
-        if backlog:
-            while len(pool) < BACKLOG_DEPTH_PER_WORKER * G and next_request < n:
-                _enqueue(pool, next_request, prompts, trace, step)
-                enter_step[next_request], enter_clock[next_request] = step, clock
-                next_request += 1
-        else:
-            assert arrivals is not None
-            while next_request < n and arrivals[next_request] <= step:
-                _enqueue(pool, next_request, prompts, trace, step)
-                enter_step[next_request], enter_clock[next_request] = step, clock
-                next_request += 1
-
-        active = slot_req >= 0
-        free_total = slots - int(active.sum())
-
-        # 2. predictions, refreshed every refresh_steps
-        if use_predictions and step - last_refresh >= config.refresh_steps:
-            assert predictor is not None
-            last_refresh = step
-            idx = np.flatnonzero(active)
-            waiting = (np.fromiter((r.request_id for r in pool[: config.pool_window]),
-                                   dtype=np.int64) if config.predict_pool else
-                       np.zeros(0, dtype=np.int64))
-            asked = np.concatenate([slot_req[idx], waiting])
-            batch = ActiveBatch(
-                asked,
-                prompts[asked],
-                np.concatenate([slot_gen[idx], np.zeros(waiting.size, dtype=np.int64)]),
-                [trace.prompt_keys[r] for r in asked],
-            )
-            prediction = predictor.predict(batch, H)
-            if prediction.c_hat is None:
-                healthy, reason = False, "unavailable"
-            elif prediction.drifted:
-                healthy, reason = False, "drifted"
-            else:
-                healthy, reason = True, "ok"
-            if prediction.c_hat is not None and not prediction.drifted:
-                slot_chat[idx] = prediction.c_hat[: idx.size]
-                slot_chat_step[idx] = step
-                pool_chat[waiting] = prediction.c_hat[idx.size:]
-            have_prediction = controller.on_refresh(step, healthy, reason) and (
-                bool((slot_chat_step >= 0).any()) or not idx.size
-            )
-
-        # 3. routing round
-        if pool and free_total > 0:
-            idx = np.flatnonzero(active)
-            c_hat = None
-            if use_predictions and have_prediction:
-                known = slot_chat_step[idx] >= 0
-                aged = aged_c_hat(slot_chat[idx], step - slot_chat_step[idx], H)
-                c_hat = np.where(known, aged, float(H))
-            elif policy.needs_predictions:
-                fallback_steps += 1
-                fallback_rounds.append(step)
-            view = FleetView(
-                capacity=B,
-                loads=np.bincount(slot_worker[idx], weights=slot_size[idx], minlength=G),
-                active_counts=np.bincount(slot_worker[idx], minlength=G),
-                active_worker=slot_worker[idx],
-                active_size=slot_size[idx].astype(np.float64),
-                active_c_hat=c_hat,
-            )
-            visible = pool[: config.pool_window]
-            decision = policy.route(view, visible)
-            if decision.assignments:
-                taken: set[int] = set()
-                free_by_worker = (slot_req.reshape(G, B) < 0)
-                for assignment in decision.assignments:
-                    _check_assignment(assignment.pool_index, assignment.worker, taken, visible, G)
-                    taken.add(assignment.pool_index)
-                    row = free_by_worker[assignment.worker]
-                    free_slots = np.flatnonzero(row)
-                    if free_slots.size == 0:
-                        raise AssertionError(
-                            f"policy {policy.name} put more than B={B} requests on worker "
-                            f"{assignment.worker}"
-                        )
-                    row[free_slots[0]] = False
-                    slot = assignment.worker * B + int(free_slots[0])
-                    request = int(visible[assignment.pool_index].request_id)
-                    if assigned[request]:
-                        raise AssertionError(
-                            f"policy {policy.name} admitted request {request} twice"
-                        )
-                    assigned[request] = True
-                    assigned_worker[request] = assignment.worker
-                    slot_req[slot] = request
-                    slot_size[slot] = prompts[request]
-                    slot_gen[slot] = 0
-                    slot_out[slot] = outputs[request]
-                    if np.isfinite(pool_chat[request]):  # predicted while it waited
-                        slot_chat[slot] = pool_chat[request]
-                        slot_chat_step[slot] = step
-                    else:
-                        slot_chat_step[slot] = -1
-                    admit_step[request] = step
-                    guard_admissions += int(assignment.starvation_guard)
-                pool = [r for i, r in enumerate(visible) if i not in taken] + pool[len(visible):]
-                last_admission_step = step
-                active = slot_req >= 0
-
-        # 4. the decode step
-        n_active = int(active.sum())
-        if n_active == 0:
-            if next_request >= n and not pool:
-                break
-            if not pool and arrivals is not None:
-                # idle until the next arrival: the engine ticks at the fixed cost
-                target = max(step + 1, int(np.ceil(arrivals[next_request])))
-                idle = target - step
-                _record(rec_weight, rec_max, rec_min, rec_sum, rec_tokens, rec_step,
-                        idle, 0.0, 0.0, 0.0, 0, step)
-                clock += idle * b_cost
-                step = target
-                continue
-        loads = np.bincount(slot_worker[active], weights=slot_size[active], minlength=G)
-        top = float(loads.max())
-        _record(rec_weight, rec_max, rec_min, rec_sum, rec_tokens, rec_step,
-                1, top, float(loads.min()), float(loads.sum()), n_active, step)
-        if config.record_trajectory:
-            trajectory.append(loads.astype(np.float32))
-        clock += a_cost * top + b_cost
-        new = active & (slot_gen == 0)
-        first_token_clock[slot_req[new]] = clock
-        slot_gen[active] += 1
-        slot_size[active] += 1
-        done = active & (slot_gen >= slot_out)
-        if done.any():
-            ids = slot_req[done]
-            finish_clock[ids] = clock
-            finish_step[ids] = step
-            completed += int(ids.size)
-            if predictor is not None:
-                predictor.observe(FinishedBatch(
-                    ids, prompts[ids], outputs[ids], trace.censored[ids],
-                    [trace.prompt_keys[r] for r in ids],
-                ))
-            slot_req[done] = -1
-        step += 1
-        if progress is not None and completed / n >= next_report:
-            progress(completed / n)
-            next_report = completed / n + 0.01
-
-    if progress is not None:
-        progress(1.0)
-    row = _metrics(
-        policy.name, config, n, completed, clock,
-        np.asarray(rec_weight), np.asarray(rec_max), np.asarray(rec_min), np.asarray(rec_sum),
-        np.asarray(rec_tokens), np.asarray(rec_step), last_admission_step,
-        enter_step, enter_clock, admit_step, first_token_clock, finish_clock, finish_step,
-        outputs, guard_admissions, fallback_steps, step,
-    )
-    row["sim_wall_s"] = round(perf_counter() - started, 3)
-    traj = np.asarray(trajectory) if config.record_trajectory else None
-    return SimResult(row, traj, admit_step, finish_step, assigned_worker,
-                     list(controller.switches), fallback_rounds)
-
-
-def _enqueue(pool: list[WaitingRequest], request: int, prompts: np.ndarray, trace: Trace,
-             step: int) -> None:
-    pool.append(WaitingRequest(request, int(prompts[request]), step, trace.prompt_keys[request]))
-
-
-def _check_assignment(index: int, worker: int, taken: set[int], visible: list, G: int) -> None:
-    if not 0 <= index < len(visible):
-        raise AssertionError(f"assignment of pool index {index}, which is not in the pool")
-    if index in taken:
-        raise AssertionError(f"pool index {index} assigned twice in one round")
-    if not 0 <= worker < G:
-        raise AssertionError(f"assignment to worker {worker}, which does not exist")
-
-
-def _record(weights, maxes, mins, sums, tokens, steps, weight, top, low, total, n_tokens,
-            step) -> None:
-    weights.append(weight)
-    maxes.append(top)
-    mins.append(low)
-    sums.append(total)
-    tokens.append(n_tokens)
-    steps.append(step)
+    """Replay ``trace`` through ``policy``; returns the result row (see :class:`Simulation`)."""
+    return Simulation(trace, policy, config, predictor, progress, step_hook, fallback).run()
 
 
 def _percentile(values: np.ndarray, q: float, scale: float = 1.0) -> float | None:
@@ -380,51 +459,5 @@ def _percentile(values: np.ndarray, q: float, scale: float = 1.0) -> float | Non
     return scale * float(np.percentile(values, q)) if values.size else None
 
 
-def _metrics(
-    name, config, n, completed, clock, weight, top, low, total, tokens, steps,
-    last_admission_step, enter_step, enter_clock, admit_step, first_token_clock, finish_clock,
-    finish_step, outputs, guard_admissions, fallback_steps, final_step,
-) -> dict[str, float | int | str | None]:
-    a_cost, b_cost = config.step_cost
-    G = config.workers
-    window = steps <= last_admission_step
-    w = weight[window]
-    steps_in_window = float(w.sum()) if w.size else 0.0
-    step_time = a_cost * top + b_cost
-    balanced_time = a_cost * total / G + b_cost
-    busy_time = float((w * step_time[window]).sum())
-    tokens_window = float((tokens[window]).sum())
-    idle = float((w * a_cost * (G * top[window] - total[window])).sum())
-    denominator = float((w * G * step_time[window]).sum())
-    in_window = (finish_step >= 0) & (finish_step <= last_admission_step) & (outputs > 1)
-    tpot = (finish_clock[in_window] - first_token_clock[in_window]) / (outputs[in_window] - 1)
-    ttft = first_token_clock - enter_clock
-    wait = (admit_step - enter_step)[admit_step >= 0].astype(np.float64)
-    drain_steps = int(final_step - (last_admission_step + 1)) if last_admission_step >= 0 else 0
-    return {
-        "policy": name,
-        "workers": G,
-        "batch": config.batch,
-        "requests": n,
-        "completed": completed,
-        "imbalance_maxmin_mean": _safe_mean(w, (top - low)[window], steps_in_window),
-        "imbalance_total_mean": _safe_mean(w, (G * top - total)[window], steps_in_window),
-        "barrier_idle_fraction": idle / denominator if denominator else 0.0,
-        "throughput_tok_s": tokens_window / busy_time if busy_time else 0.0,
-        "balanced_bound_tok_s": (
-            tokens_window / float((w * balanced_time[window]).sum()) if busy_time else 0.0
-        ),
-        "tpot_p50_ms": _percentile(tpot, 50, 1000.0),
-        "tpot_p95_ms": _percentile(tpot, 95, 1000.0),
-        "ttft_p95_ms": _percentile(ttft, 95, 1000.0),
-        "pool_wait_p95_steps": _percentile(wait, 95),
-        "starvation_guard_admissions": guard_admissions,
-        "fallback_steps": fallback_steps,
-        "drain_steps": drain_steps,
-        "makespan_s": clock,
-        "routing_steps": int(steps_in_window),
-    }
-
-
-def _safe_mean(weight: np.ndarray, values: np.ndarray, total_weight: float) -> float:
+def _mean(weight: np.ndarray, values: np.ndarray, total_weight: float) -> float:
     return float((weight * values).sum() / total_weight) if total_weight else 0.0

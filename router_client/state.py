@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import ContractError
 from .fleet import FleetView, WaitingRequest
 
 ENDED_REASONS = ("stop", "length", "cancelled", "error")
@@ -175,18 +176,16 @@ class MirroredFleet:
         return ghosts
 
     # -- reading --------------------------------------------------------------------------
-    def view(self, c_hat: dict[str, float] | None = None,
-             horizon: int | None = None) -> tuple[FleetView, list[WaitingRequest]]:
-        """The fleet for a routing round; ``c_hat`` by request id (missing ones get H)."""
+    def view(self, c_hat: np.ndarray | None = None) -> tuple[FleetView, list[WaitingRequest]]:
+        """The fleet for a routing round; ``c_hat`` one per active request, in the order of
+        ``self.active`` (see :class:`~router_client.prediction.PredictionCache`)."""
         ids = list(self.active)
         worker = np.fromiter((self.active[r].worker for r in ids), np.int64, len(ids))
         size = np.fromiter((self.active[r].prompt_tokens + self.active[r].generated
                             for r in ids), np.float64, len(ids))
-        chat = None
-        if c_hat is not None:
-            default = float(horizon if horizon is not None else 0)
-            chat = np.fromiter((c_hat.get(r, default) for r in ids), np.float64, len(ids))
-        view = FleetView.from_active(self.workers, self.capacity, worker, size, chat)
+        if c_hat is not None and len(c_hat) != len(ids):
+            raise ContractError(f"{len(c_hat)} c_hat values for {len(ids)} active requests")
+        view = FleetView.from_active(self.workers, self.capacity, worker, size, c_hat)
         return view, [entry.request for entry in self.pool.values()]
 
     def where(self, request_id: str) -> list[str]:
@@ -200,16 +199,25 @@ class MirroredFleet:
         return places
 
     def check(self) -> None:
-        """Raise AssertionError if an invariant does not hold."""
+        """Raise :class:`~router_client.errors.ContractError` if an invariant does not hold."""
         seen: set[str] = set()
+        problems: list[str] = []
         for g, members in enumerate(self.per_worker):
-            assert len(members) <= self.capacity, f"worker {g} holds {len(members)} > B"
-            assert not (members & seen), "a request on two workers"
+            if len(members) > self.capacity:
+                problems.append(f"worker {g} holds {len(members)} > B")
+            if members & seen:
+                problems.append("a request on two workers")
             seen |= members
-        assert seen == set(self.active), "per-worker sets and active map disagree"
-        assert not (seen & set(self.pool)), "a request both waiting and active"
-        assert not (seen & set(self.ended)), "an ended request still active"
-        assert not (set(self.pool) & set(self.ended)), "an ended request still waiting"
+        if seen != set(self.active):
+            problems.append("per-worker sets and active map disagree")
+        if seen & set(self.pool):
+            problems.append("a request both waiting and active")
+        if seen & set(self.ended):
+            problems.append("an ended request still active")
+        if set(self.pool) & set(self.ended):
+            problems.append("an ended request still waiting")
+        if problems:
+            raise ContractError("mirrored state: " + "; ".join(problems))
 
     def amend_outcome(self, request_id: str, output_tokens: int) -> bool:
         """A later, authoritative token count (an SSE ``usage`` after the finish chunk) for an

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import ContractError
+
 
 @dataclass(frozen=True, slots=True)
 class SubsetChoice:
@@ -63,7 +65,7 @@ def _recover(tables: list[list[int]], sizes: Sequence[int], total: int, count: i
         total -= sizes[i - 1]
         count -= 1
     if total != 0 or count != 0:  # pragma: no cover - would mean a broken table
-        raise AssertionError("subset recovery failed")
+        raise ContractError("subset recovery failed")
     return sorted(chosen)
 
 

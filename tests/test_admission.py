@@ -31,7 +31,7 @@ def test_round_invariants(seed, workers, capacity, pool_size, policy, stage1):
     fleet = random_fleet(rng, workers, capacity)
     pool = random_pool(rng, pool_size)
     params = BalanceRouteParams(stage1=stage1, s_greedy=int(rng.integers(0, 8)))
-    decision = make_policy(policy, seed=seed, brh_params=params).route(fleet, pool)
+    decision = make_policy(policy, seed=seed, params=params).route(fleet, pool)
     indices = [a.pool_index for a in decision.assignments]
     assert len(indices) == len(set(indices)), "a request assigned twice"
     assert all(0 <= i < len(pool) for i in indices), "assigned a request not in the pool"

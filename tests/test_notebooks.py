@@ -1,6 +1,5 @@
 """The notebooks run, top to bottom, on small inputs."""
 
-import os
 from pathlib import Path
 
 import nbformat
@@ -18,7 +17,9 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.get("output_type") == "error"]
-    assert os.environ["NOTEBOOK_REQUESTS"] == "600"
+    text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+    assert "br0" in text  # the comparison table was printed
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # and the plots drawn
 
 
 def test_there_is_a_notebook():

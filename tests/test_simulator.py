@@ -3,8 +3,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from predictor.learners import LearnerPredictor, SurvivalEstimator
-from router_client.errors import ParameterError
+from predictor.estimators import SurvivalEstimator
+from predictor.estimators.in_process import LearnerPredictor
+from router_client.errors import ContractError, ParameterError
 from router_client.policies import make_policy
 from router_client.predictors import OraclePredictor
 from router_client.simulator import SimConfig, arrival_steps, simulate
@@ -171,7 +172,7 @@ class BrokenPolicy:
 def test_simulator_rejects_invariant_violations(mode, message):
     trace = Trace("t", np.array([5, 5, 5]), np.array([3, 3, 3]), np.zeros(3, bool),
                   [None] * 3, np.zeros(3))
-    with pytest.raises(AssertionError, match=message):
+    with pytest.raises(ContractError, match=message):
         simulate(trace, BrokenPolicy(mode), SimConfig(workers=2, batch=2))
 
 

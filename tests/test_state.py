@@ -122,7 +122,7 @@ def test_view_feeds_the_router():
     fleet.enqueue("b", 50, 0.0)
     fleet.dispatch("a", 1, 0.0)
     fleet.progress("a", 5, 1.0)
-    view, pool = fleet.view({"a": 12.0}, horizon=80)
+    view, pool = fleet.view(np.array([12.0]))
     assert list(view.loads) == [0.0, 105.0] and list(view.active_counts) == [0, 1]
     assert list(view.active_c_hat) == [12.0]
     assert [p.request_id for p in pool] == ["b"]

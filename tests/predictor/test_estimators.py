@@ -4,16 +4,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lifelines import KaplanMeierFitter
 
-from predictor.learners import (
-    EXACT_MATCH,
+from predictor.estimators import (
     PRIOR,
-    SURVIVAL,
     ExactMatchEstimator,
-    KaplanMeier,
+    Features,
     NotFittedError,
+    Outcomes,
     SurvivalEstimator,
-    residual_life,
 )
+from predictor.estimators.km import KaplanMeier, residual_life
+
+SURVIVAL, EXACT_MATCH = "survival", "exact_match"
 
 
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 400), top=st.integers(1, 300),
@@ -108,34 +109,64 @@ def test_past_the_observed_range_is_the_conservative_prior():
 def test_no_history_gives_the_prior():
     with pytest.raises(NotFittedError):
         _ = KaplanMeier().survival_
-    answer = SurvivalEstimator().predict(np.array([0, 3]), None, 80)
-    assert answer.estimator == [PRIOR, PRIOR]
-    np.testing.assert_array_equal(answer.life.c_hat, [80, 80])
-    np.testing.assert_array_equal(answer.life.p_fin, [0, 0])
+    answer = SurvivalEstimator().predict(Features.of([0, 3]), 80)
+    assert answer.source == [PRIOR, PRIOR]
+    np.testing.assert_array_equal(answer.c_hat, [80, 80])
+    np.testing.assert_array_equal(answer.p_fin, [0, 0])
 
 
 def test_exact_match_uses_buckets_with_support_and_falls_back():
     est = ExactMatchEstimator(window=0, min_support=3)
-    est.partial_fit(np.array([5, 5, 5, 100, 100]), np.ones(5, bool), ["a", "a", "a", "b", "b"])
-    answer = est.predict(np.array([0, 0, 0, 0]), ["a", "b", None, "zzz"], 80)
-    assert answer.estimator == [EXACT_MATCH, SURVIVAL, SURVIVAL, SURVIVAL]
-    assert answer.life.c_hat[0] == pytest.approx(5.0)  # bucket a: always 5 tokens
+    est.partial_fit(Outcomes.of([5, 5, 5, 100, 100], prompt_key=["a", "a", "a", "b", "b"]))
+    answer = est.predict(Features.of([0, 0, 0, 0], ["a", "b", None, "zzz"]), 80)
+    assert answer.source == [EXACT_MATCH, SURVIVAL, SURVIVAL, SURVIVAL]
+    assert answer.c_hat[0] == pytest.approx(5.0)  # bucket a: always 5 tokens
     assert list(answer.support) == [3, 5, 5, 5]
-    assert est.hit_rate_ == pytest.approx(0.25)
 
 
 def test_exact_match_bucket_count_is_bounded():
     est = ExactMatchEstimator(max_buckets=10, min_support=1)
     for i in range(100):
-        est.partial_fit(np.array([i + 1]), np.array([True]), [f"k{i}"])
-    assert len(est.buckets_) == 10
+        est.partial_fit(Outcomes.of([i + 1], prompt_key=[f"k{i}"]))
+    assert len(est.buckets_) == 10 and est.n_groups_ == 10
     assert list(est.buckets_)[-1] == "k99" and "k0" not in est.buckets_
 
 
 def test_windowed_survival_tracks_a_shift():
     est = SurvivalEstimator(window=500)
-    est.partial_fit(np.full(2000, 10), np.ones(2000, bool))
-    before = est.predict(np.array([0]), None, 80).life.c_hat[0]
-    est.partial_fit(np.full(500, 60), np.ones(500, bool))
-    after = est.predict(np.array([0]), None, 80).life.c_hat[0]
+    est.partial_fit(Outcomes.of(np.full(2000, 10)))
+    before = est.predict(Features.of([0]), 80).c_hat[0]
+    est.partial_fit(Outcomes.of(np.full(500, 60)))
+    after = est.predict(Features.of([0]), 80).c_hat[0]
     assert before == pytest.approx(10) and after == pytest.approx(60)
+
+
+def test_fit_is_reset_plus_partial_fit():
+    est = ExactMatchEstimator(window=0, min_support=1)
+    est.partial_fit(Outcomes.of([500, 600], prompt_key=["old", "old"]))
+    est.fit(Outcomes.of([5, 5], prompt_key=["new", "new"]))
+    assert est.n_observed_ == 2 and list(est.buckets_) == ["new"]
+    fresh = ExactMatchEstimator(window=0, min_support=1).partial_fit(
+        Outcomes.of([5, 5], prompt_key=["new", "new"]))
+    features = Features.of([0, 2], ["new", "old"])
+    np.testing.assert_array_equal(est.predict(features, 80).c_hat,
+                                  fresh.predict(features, 80).c_hat)
+
+
+def test_prediction_does_not_change_the_estimator():
+    est = ExactMatchEstimator(window=0, min_support=1).partial_fit(
+        Outcomes.of([5, 9, 30], prompt_key=["a", "a", None]))
+    features = Features.of([0, 1, 2], ["a", "b", None], [100, 200, None])
+    first = est.predict(features, 40)
+    second = est.predict(features, 40)
+    np.testing.assert_array_equal(first.c_hat, second.c_hat)
+    assert first.source == second.source
+
+
+def test_features_take_keeps_every_column():
+    features = Features.of([0, 1, 2], ["a", None, "c"], [10, None, 30])
+    sub = features.take([2, 0])
+    assert sub.prompt_key == ["c", "a"]
+    np.testing.assert_array_equal(sub.generated, [2, 0])
+    np.testing.assert_array_equal(sub.prompt_tokens, [30, 10])
+    assert features.prompt_tokens[1] == -1  # unknown

@@ -1,0 +1,49 @@
+"""``GET /v1/calibration`` and its reliability diagram."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+
+from ..estimators import estimator_names
+from ..metrics import refresh_calibration_gauges
+from ..schemas import CalibrationOut
+from .deps import MetricsDep, ServiceDep
+
+router = APIRouter(prefix="/v1", tags=["calibration"])
+
+Horizon = Annotated[int | None, Query(ge=1, le=4096, description="only predictions at this H")]
+Window = Annotated[int | None, Query(ge=1, description="only the most recent N scored")]
+EstimatorFilter = Annotated[str | None, Query(
+    description="one registered estimator (default: all, side by side)")]
+
+
+def _checked(estimator: str | None) -> str | None:
+    if estimator is not None and estimator not in estimator_names():
+        raise RequestValidationError([{
+            "loc": ("query", "estimator"), "type": "enum",
+            "msg": f"unknown estimator; known: {', '.join(estimator_names())}"}])
+    return estimator
+
+
+@router.get("/calibration", response_model=CalibrationOut)
+def calibration(service: ServiceDep, metrics: MetricsDep, horizon: Horizon = None,
+                estimator: EstimatorFilter = None, window: Window = None) -> dict:
+    """How good the issued predictions were: per estimator, scored on the same traffic."""
+    report = service.calibration(horizon, _checked(estimator), window)
+    refresh_calibration_gauges(report, metrics)
+    return report
+
+
+@router.get("/calibration.png", responses={200: {"content": {"image/png": {}}}},
+            response_class=Response)
+def calibration_png(service: ServiceDep, horizon: Horizon = None,
+                    estimator: EstimatorFilter = None, window: Window = None) -> Response:
+    """The reliability diagram of the same data."""
+    from ..plots import reliability_png  # matplotlib only when a diagram is asked for
+
+    report = service.calibration(horizon, _checked(estimator), window)
+    return Response(reliability_png(report), media_type="image/png")

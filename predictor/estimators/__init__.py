@@ -1,0 +1,45 @@
+"""Estimators of expected capped remaining life, and their registry.
+
+Plain numpy objects with no web or database code: the service and the simulator use the same
+instances. Adding one is a new module here plus one ``register_estimator`` line below.
+"""
+
+from .base import (
+    PRIOR,
+    UNKNOWN_TOKENS,
+    BaseEstimator,
+    Estimate,
+    Estimator,
+    Features,
+    NotFittedError,
+    Outcomes,
+)
+from .exact_match import ExactMatchEstimator
+from .registry import (
+    EstimatorSpec,
+    UnknownEstimatorError,
+    estimator_names,
+    estimator_spec,
+    estimator_specs,
+    register_estimator,
+    spec_for_policy,
+    unregister_estimator,
+)
+from .survival import SurvivalEstimator
+
+register_estimator(EstimatorSpec(
+    "survival", lambda s: SurvivalEstimator(window=s.history),
+    description="one Kaplan-Meier curve over all requests"))
+register_estimator(EstimatorSpec(
+    "exact_match", lambda s: ExactMatchEstimator(
+        window=s.history, min_support=s.exact_match_min_support,
+        max_buckets=s.exact_match_max_buckets, bucket_window=s.exact_match_bucket_window),
+    policy="brh-exactmatch",
+    description="a Kaplan-Meier curve per prompt key, Survival for keys with little history"))
+
+__all__ = [
+    "PRIOR", "UNKNOWN_TOKENS", "BaseEstimator", "Estimate", "Estimator", "EstimatorSpec",
+    "ExactMatchEstimator", "Features", "NotFittedError", "Outcomes", "SurvivalEstimator",
+    "UnknownEstimatorError", "estimator_names", "estimator_spec", "estimator_specs",
+    "register_estimator", "spec_for_policy", "unregister_estimator",
+]

@@ -1,0 +1,160 @@
+"""Kaplan-Meier survival curves of output length, and residual life from a curve.
+
+``KaplanMeier`` learns ``S(t) = P(o > t)`` from finished requests, with right-censoring:
+outputs cut by ``length``, ``cancelled`` or ``error`` are at risk up to their length but are
+not events. It is online (``partial_fit`` updates event and censoring counts; nothing is refit
+from scratch) and keeps a sliding window of the most recent ``window`` observations (``0``:
+all of them, plain Kaplan-Meier). A window rather than a decay keeps the estimate an exact
+Kaplan-Meier of a well-defined set of requests: it can be checked against lifelines, rebuilt
+from the database after a restart, and it forgets a past workload completely after ``window``
+new observations.
+
+``residual_life`` turns a survival curve into, for a request that has generated ``a`` tokens::
+
+    c_hat = sum_{h=0}^{H-1} S(a+h) / S(a)      p_fin = 1 - S(a+H) / S(a)
+    mu_rem = (c_hat - (1 - p_fin) * H) / p_fin (mean remaining given that it ends within H)
+
+Past the largest observed length the curve is taken as flat (no event was ever seen there),
+and a request with ``S(a) = 0`` (it outlived every observed output) gets the conservative
+prior ``c_hat = H``, ``p_fin = 0``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import NotFittedError
+
+
+class KaplanMeier:
+    """Online, windowed Kaplan-Meier estimator of ``S(t) = P(o > t)`` on integer lengths."""
+
+    def __init__(self, window: int = 0) -> None:
+        if window < 0:
+            raise ValueError("window must be >= 0 (0 keeps every observation)")
+        self.window = window
+        self.reset()
+
+    def reset(self) -> KaplanMeier:
+        self.events_ = np.zeros(1, dtype=np.int64)
+        self.censored_ = np.zeros(1, dtype=np.int64)
+        self.n_observed_ = 0
+        self._recent: deque[tuple[int, bool]] = deque()
+        self._survival: np.ndarray | None = None
+        self._table: ResidualTable | None = None
+        return self
+
+    def fit(self, durations: Sequence[int] | np.ndarray,
+            events: Sequence[bool] | np.ndarray) -> KaplanMeier:
+        return self.reset().partial_fit(durations, events)
+
+    def partial_fit(self, durations: Sequence[int] | np.ndarray,
+                    events: Sequence[bool] | np.ndarray) -> KaplanMeier:
+        """Add observations: ``events[i]`` is True for an observed end, False if censored."""
+        durations = np.asarray(durations, dtype=np.int64)
+        events = np.asarray(events, dtype=bool)
+        if durations.shape != events.shape:
+            raise ValueError("durations and events must have the same length")
+        if durations.size == 0:
+            return self
+        if (durations < 0).any():
+            raise ValueError("durations must be >= 0")
+        self._grow(int(durations.max()))
+        np.add.at(self.events_, durations[events], 1)
+        np.add.at(self.censored_, durations[~events], 1)
+        self.n_observed_ += int(durations.size)
+        if self.window:
+            self._recent.extend(zip(durations.tolist(), events.tolist(), strict=True))
+            while len(self._recent) > self.window:
+                old, was_event = self._recent.popleft()
+                (self.events_ if was_event else self.censored_)[old] -= 1
+                self.n_observed_ -= 1
+        self._survival = None
+        return self
+
+    def _grow(self, longest: int) -> None:
+        if longest >= self.events_.shape[0]:
+            size = max(longest + 1, 2 * self.events_.shape[0])
+            self.events_ = np.pad(self.events_, (0, size - self.events_.shape[0]))
+            self.censored_ = np.pad(self.censored_, (0, size - self.censored_.shape[0]))
+
+    @property
+    def survival_(self) -> np.ndarray:
+        """``S(t)`` for t = 0..T (T the largest length seen); flat beyond."""
+        if self.n_observed_ == 0:
+            raise NotFittedError("no observations yet")
+        if self._survival is None:
+            counts = self.events_ + self.censored_
+            last = int(np.flatnonzero(counts)[-1])
+            events = self.events_[: last + 1].astype(np.float64)
+            at_risk = np.cumsum(counts[: last + 1][::-1])[::-1].astype(np.float64)
+            hazard = np.divide(events, at_risk, out=np.zeros_like(events), where=at_risk > 0)
+            self._survival = np.cumprod(1.0 - hazard)
+            self._table = None
+        return self._survival
+
+    @property
+    def table_(self) -> ResidualTable:
+        """The cached :class:`ResidualTable` of the current curve."""
+        if self._table is None or self._survival is None:
+            self._table = ResidualTable.of(self.survival_)
+        return self._table
+
+    def survival_at(self, t: np.ndarray | int) -> np.ndarray:
+        curve = self.survival_
+        return curve[np.minimum(np.asarray(t, dtype=np.int64), curve.shape[0] - 1)]
+
+
+@dataclass(frozen=True)
+class ResidualLife:
+    """Per-request answers; ``mu_rem`` is NaN where ``p_fin`` is 0."""
+
+    c_hat: np.ndarray
+    p_fin: np.ndarray
+    mu_rem: np.ndarray
+
+
+MAX_HORIZON = 4096
+
+
+@dataclass(frozen=True)
+class ResidualTable:
+    """A survival curve extended flat by ``MAX_HORIZON + 1`` and its prefix sums: built once
+    per curve, it answers any (a, H) query with two lookups."""
+
+    extended: np.ndarray
+    prefix: np.ndarray
+    tail: int
+
+    @classmethod
+    def of(cls, survival: np.ndarray, horizon: int = MAX_HORIZON) -> ResidualTable:
+        extended = np.concatenate([survival, np.full(horizon + 1, survival[-1])])
+        prefix = np.concatenate([[0.0], np.cumsum(extended)])
+        return cls(extended, prefix, int(survival.shape[0]))
+
+
+def residual_life(survival: np.ndarray | ResidualTable, generated: np.ndarray,
+                  horizon: int) -> ResidualLife:
+    """``c_hat``, ``p_fin``, ``mu_rem`` for requests that generated ``generated`` tokens."""
+    table = (survival if isinstance(survival, ResidualTable)
+             else ResidualTable.of(survival, horizon))
+    if horizon > table.extended.shape[0] - table.tail - 1:
+        raise ValueError(f"horizon {horizon} beyond the table's {MAX_HORIZON}")
+    generated = np.asarray(generated, dtype=np.int64)
+    extended, prefix, tail = table.extended, table.prefix, table.tail
+    at = np.minimum(generated, tail)  # flat beyond the curve: tail index is as good as any
+    s_now = extended[at]
+    known = s_now > 0
+    safe = np.where(known, s_now, 1.0)
+    c_hat = np.where(known, (prefix[at + horizon] - prefix[at]) / safe, float(horizon))
+    p_fin = np.where(known, 1.0 - extended[at + horizon] / safe, 0.0)
+    c_hat = np.clip(c_hat, 0.0, float(horizon))
+    p_fin = np.clip(p_fin, 0.0, 1.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mu_rem = np.where(p_fin > 0, (c_hat - (1.0 - p_fin) * horizon) / p_fin, np.nan)
+    mu_rem = np.where(p_fin > 0, np.clip(mu_rem, 0.0, float(horizon)), np.nan)
+    return ResidualLife(c_hat, p_fin, mu_rem)

@@ -1,0 +1,44 @@
+"""Survival: one Kaplan-Meier curve of output length over all requests (no features)."""
+
+from __future__ import annotations
+
+from typing import Self
+
+import numpy as np
+
+from .base import BaseEstimator, Estimate, Features, Outcomes
+from .km import KaplanMeier, residual_life
+
+
+class SurvivalEstimator(BaseEstimator):
+    """The empirical (censoring-aware) distribution of past output lengths.
+
+    Args:
+        window: the most recent observations the curve weighs (0: all of them).
+    """
+
+    name = "survival"
+
+    def __init__(self, window: int = 5000) -> None:
+        self.window = window
+        self.reset()
+
+    def reset(self) -> Self:
+        self.curve_ = KaplanMeier(self.window)
+        return self
+
+    @property
+    def n_observed_(self) -> int:
+        return self.curve_.n_observed_
+
+    def partial_fit(self, outcomes: Outcomes) -> Self:
+        self.curve_.partial_fit(outcomes.output_tokens, outcomes.events)
+        return self
+
+    def predict(self, features: Features, horizon: int) -> Estimate:
+        n = len(features)
+        if self.curve_.n_observed_ == 0:
+            return Estimate.prior(n, horizon)
+        life = residual_life(self.curve_.table_, features.generated, horizon)
+        return Estimate(life.c_hat, life.p_fin, life.mu_rem, [self.name] * n,
+                        np.full(n, self.curve_.n_observed_, dtype=np.int64))

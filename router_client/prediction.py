@@ -1,0 +1,117 @@
+"""The one prediction path shared by the simulator and :class:`~router_client.client.RouterClient`.
+
+:class:`PredictionCache` owns everything between a ``Predictor`` and a routing round:
+
+- **Refresh** every ``refresh_steps`` steps (:meth:`due`): one query for the active requests
+  and the waiting ones (the latter at 0 tokens generated, so a request admitted between
+  refreshes starts with its own prediction instead of the prior).
+- **Health and fallback**: a refresh that fails (``c_hat is None``) or comes back
+  ``drifted`` is unhealthy; the :class:`~router_client.fallback.FallbackController` decides
+  whether BR-H may use predictions (BR-0 at once on an unhealthy refresh,
+  ``healthy_to_return`` healthy ones to come back).
+- **Aging** between refreshes (:func:`aged_c_hat`): an answer given ``e`` steps ago is
+  ``max(c_hat - e, 1)`` now; an answer at the cap H stays at H. A waiting request's life
+  starts when it is admitted (:meth:`on_admit`), not when it was asked about.
+- **Unknown requests** (admitted without any prediction) count as ``c_hat = H``, the
+  conservative prior, until the next refresh.
+
+Request ids are opaque and hashable (the simulator's integers, a proxy's strings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .fallback import FallbackController
+from .predictors import ActiveBatch, Predictor, aged_c_hat
+
+
+@dataclass(frozen=True)
+class Refresh:
+    """What one refresh did."""
+
+    step: int
+    healthy: bool
+    reason: str  # ok | unavailable | drifted
+    use_predictions: bool
+
+
+class PredictionCache:
+    """Predictions of ``c_hat`` by request id, refreshed, aged and guarded by the fallback.
+
+    Args:
+        predictor: where predictions come from; ``None`` means BR-0 always.
+        horizon: H.
+        refresh_steps: steps between refreshes.
+        controller: the fallback controller (a fresh one when not given).
+    """
+
+    def __init__(self, predictor: Predictor | None, horizon: int, refresh_steps: int = 10,
+                 controller: FallbackController | None = None) -> None:
+        if refresh_steps < 1:
+            raise ValueError("refresh_steps must be >= 1")
+        self.predictor = predictor
+        self.horizon = horizon
+        self.refresh_steps = refresh_steps
+        self.controller = controller or FallbackController()
+        self.use_predictions = False
+        self.last_refresh: int | None = None
+        self.fallback_rounds = 0
+        self._c_hat: dict[Hashable, float] = {}
+        self._since: dict[Hashable, int] = {}  # step the answer's clock started (active ones)
+
+    @property
+    def enabled(self) -> bool:
+        return self.predictor is not None and self.horizon > 0
+
+    def due(self, step: int) -> bool:
+        return self.enabled and (self.last_refresh is None
+                                 or step - self.last_refresh >= self.refresh_steps)
+
+    def refresh(self, step: int, batch: ActiveBatch, n_active: int) -> Refresh:
+        """Ask about ``batch``: its first ``n_active`` requests are running (their answers'
+        clocks start now), the rest are waiting (their clocks start at admission)."""
+        if self.predictor is None:
+            raise ValueError("no predictor to refresh from")
+        self.last_refresh = step
+        prediction = self.predictor.predict(batch, self.horizon)
+        if prediction.c_hat is None:
+            healthy, reason = False, "unavailable"
+        elif prediction.drifted:
+            healthy, reason = False, "drifted"
+        else:
+            healthy, reason = True, "ok"
+        if healthy and prediction.c_hat is not None:
+            ids = batch.request_ids.tolist()
+            values = np.asarray(prediction.c_hat, dtype=np.float64).tolist()
+            self._c_hat = dict(zip(ids, values, strict=True))
+            self._since = dict.fromkeys(ids[:n_active], step)
+        self.use_predictions = self.controller.on_refresh(step, healthy, reason)
+        return Refresh(step, healthy, reason, self.use_predictions)
+
+    def on_admit(self, request_id: Hashable, step: int) -> None:
+        """A waiting request starts running: a prediction made while it waited ages from now."""
+        if request_id in self._c_hat:
+            self._since[request_id] = step
+
+    def forget(self, request_ids: Sequence[Hashable]) -> None:
+        for request_id in request_ids:
+            self._c_hat.pop(request_id, None)
+            self._since.pop(request_id, None)
+
+    def c_hat_for(self, request_ids: Sequence[Hashable], step: int) -> np.ndarray | None:
+        """``c_hat`` now for running requests, or ``None`` while BR-H must route as BR-0
+        (each such call is counted in ``fallback_rounds`` when predictions are wanted)."""
+        if not self.use_predictions:
+            if self.horizon > 0:
+                self.fallback_rounds += 1
+            return None
+        n = len(request_ids)
+        horizon = float(self.horizon)
+        answered = np.fromiter((self._c_hat.get(r, horizon) for r in request_ids),
+                               np.float64, n)
+        since = np.fromiter((self._since.get(r, step) for r in request_ids), np.int64, n)
+        return aged_c_hat(answered, step - since, self.horizon)

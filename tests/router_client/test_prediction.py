@@ -1,0 +1,81 @@
+"""The prediction path shared by the simulator and RouterClient (PredictionCache)."""
+
+import numpy as np
+import pytest
+
+from router_client.prediction import PredictionCache
+from router_client.predictors import ActiveBatch, Prediction
+
+
+class Scripted:
+    """Answers from a script: a list of c_hat arrays, or None (unavailable) or 'drift'."""
+
+    name = "scripted"
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+        self.asked = []
+
+    def predict(self, batch, horizon):
+        self.asked.append(list(batch.request_ids))
+        answer = self.answers.pop(0)
+        if answer is None:
+            return Prediction(None)
+        if isinstance(answer, str):
+            return Prediction(np.full(len(batch.request_ids), 5.0), drifted=True)
+        return Prediction(np.asarray(answer, dtype=float))
+
+    def observe(self, finished):
+        pass
+
+
+def batch(ids, generated=None):
+    n = len(ids)
+    return ActiveBatch(np.asarray(ids, dtype=object), np.full(n, 100),
+                       np.asarray(generated if generated is not None else [0] * n),
+                       [None] * n)
+
+
+def test_refresh_schedule_every_refresh_steps():
+    cache = PredictionCache(Scripted([]), horizon=80, refresh_steps=10)
+    assert cache.due(0)
+    cache.last_refresh = 0
+    assert not cache.due(9) and cache.due(10) and cache.due(23)
+
+
+def test_aging_cap_floor_and_unknown_requests():
+    cache = PredictionCache(Scripted([[30.0, 80.0, 2.0]]), horizon=80)
+    cache.refresh(0, batch(["a", "b", "c"], [5, 5, 5]), n_active=3)
+    got = cache.c_hat_for(["a", "b", "c", "new"], step=4)
+    # a: 30 - 4; b: at the cap H stays H; c: floored at 1; unknown: the prior H
+    np.testing.assert_array_equal(got, [26.0, 80.0, 1.0, 80.0])
+
+
+def test_a_waiting_request_ages_from_its_admission():
+    cache = PredictionCache(Scripted([[20.0, 40.0]]), horizon=80)
+    cache.refresh(0, batch(["run", "wait"], [3, 0]), n_active=1)
+    cache.on_admit("wait", step=7)
+    np.testing.assert_array_equal(cache.c_hat_for(["run", "wait"], step=9), [11.0, 38.0])
+    cache.forget(["wait"])
+    np.testing.assert_array_equal(cache.c_hat_for(["wait"], step=9), [80.0])
+
+
+def test_unhealthy_refresh_falls_back_and_healthy_ones_return():
+    answers = [[10.0], None, [10.0], "drift", [10.0], [10.0], [10.0]]
+    cache = PredictionCache(Scripted(answers), horizon=80, refresh_steps=1)
+    modes = []
+    for step in range(len(answers)):
+        refresh = cache.refresh(step, batch(["a"], [1]), n_active=1)
+        modes.append((refresh.reason, cache.c_hat_for(["a"], step) is not None))
+    assert modes == [("ok", True), ("unavailable", False), ("ok", False), ("drifted", False),
+                     ("ok", False), ("ok", False), ("ok", True)]
+    assert cache.fallback_rounds == 5
+    assert [s.to for s in cache.controller.switches] == ["br0", "brh"]
+
+
+def test_no_predictor_means_br0_and_no_refresh():
+    cache = PredictionCache(None, horizon=80)
+    assert not cache.due(0)
+    assert cache.c_hat_for(["a"], 0) is None and cache.fallback_rounds == 1
+    with pytest.raises(ValueError):
+        cache.refresh(0, batch(["a"]), 1)

@@ -1,4 +1,4 @@
-"""The FastAPI app factory of the prediction service (API.md).
+"""The FastAPI app factory of the prediction service (REST API in the README).
 
 Settings and the engine are built in :func:`create_app`, not at import time, so that tests can
 make one app per database.

@@ -1,4 +1,4 @@
-"""Request and response bodies of the REST API (API.md)."""
+"""Request and response bodies of the REST API (see the README)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Service settings from the environment (prefix ``BALANCEROUTE_``), see API.md."""
+"""Service settings from the environment (prefix ``BALANCEROUTE_``), see the README."""
 
 from __future__ import annotations
 

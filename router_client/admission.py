@@ -1,4 +1,4 @@
-"""BalanceRoute's two-stage admission: BR-0 and BR-H (SPEC.md sections 3 and 4).
+"""BalanceRoute's two-stage admission: BR-0 and BR-H (arXiv 2605.06113).
 
 One scheduling round, given the fleet view and the waiting pool (in arrival order):
 
@@ -41,8 +41,9 @@ Stage1Rule = Literal["auto", "paper", "best-pair"]
 class BalanceRouteParams:
     """Parameters of BR-H; BR-0 is ``horizon=0`` (then ``alpha=1`` and ``beta=G`` are forced).
 
-    Defaults follow SPEC.md: the paper's deployment point (``H=80, beta=43, gamma=0.86``),
-    ``R_max=4``, ``S_greedy=7`` and 1024 Stage-1 candidates from its predecessor simulator.
+    Defaults follow the paper (arXiv 2605.06113): its deployment point (``H=80, beta=43,
+    gamma=0.86``), ``R_max=4``, ``S_greedy=7`` and 1024 Stage-1 candidates from its
+    predecessor simulator.
     They are a starting point for one hardware and model stack, not universal values.
 
     Attributes:

@@ -1,6 +1,6 @@
 """The thin client a serving proxy embeds: mirrored state, BR-H with fallback, telemetry.
 
-Wiring (SPEC.md section 7): the proxy calls :meth:`RouterClient.on_prefilled` when a prefill
+Wiring (the paper's serving proxy): the proxy calls :meth:`RouterClient.on_prefilled` when a prefill
 finishes, relays each decode stream through :meth:`RouterClient.stream` (SSE telemetry
 advances the request and ends it), reports client cancellations with
 :meth:`RouterClient.on_cancel`, and calls :meth:`RouterClient.tick` once per decode step (or

@@ -17,7 +17,7 @@ import numpy as np
 
 
 def br0_score(D: float | np.ndarray, margin: float, workers: int) -> float | np.ndarray:
-    """BR-0's ``F = D - G * max(0, D - m)`` (SPEC.md section 3)."""
+    """BR-0's ``F = D - G * max(0, D - m)`` (the paper's BR-0)."""
     return D - workers * np.maximum(0.0, np.asarray(D, dtype=np.float64) - margin)
 
 

@@ -2,7 +2,7 @@
 
 A predictor answers, for a batch of active requests, the expected capped remaining life
 ``c_hat`` in ``[0, H]`` of each; and it may learn from finished requests. The in-process
-learners of :mod:`predictor.learners`, the HTTP client of the prediction service and the
+estimators (``predictor.estimators``), the HTTP client of the prediction service and the
 oracle all satisfy it; this package imports none but the oracle.
 """
 

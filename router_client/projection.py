@@ -1,4 +1,4 @@
-"""Projected per-worker loads over the next H steps (SPEC.md sections 4 and 6).
+"""Projected per-worker loads over the next H steps (BR-H's lookahead and the c_hat predictor).
 
 An active request with current work ``w = s + a`` reads ``w + h`` KV tokens h steps ahead if
 it is still running. With ``c_hat`` its expected capped remaining life, it is taken to run at

@@ -1,7 +1,7 @@
 """A barrier-synchronized data-parallel decode fleet, stepped one decode step at a time.
 
-Model (SPEC.md section 2): G workers with B slots each. At every step each active request
-reads ``s + a`` KV tokens (prompt plus tokens generated so far) and generates one token; it
+Model (the paper's, arXiv 2605.06113): G workers with B slots each. At every step each active
+request reads ``s + a`` KV tokens (prompt plus tokens generated so far) and generates one token; it
 leaves when it has generated its output length. Worker g's load ``L_g`` is the sum over its
 active requests; the step lasts ``a * max_g L_g + b`` seconds for everyone (the barrier).
 
@@ -93,7 +93,7 @@ class SimConfig:
 
 @dataclass
 class SimResult:
-    """One run: the API.md result row plus per-step series for plots."""
+    """One run: the result row of ``balanceroute ab --json`` plus per-step series for plots."""
 
     row: dict[str, float | int | str | None]
     loads: np.ndarray | None = None  # (steps, G) per-worker load, if recorded
@@ -194,7 +194,7 @@ class Engine:
 
 class MetricsCollector:
     """Per-step records (an idle stretch is one record of several steps) and per-request
-    times; :meth:`row` turns them into the API.md result row."""
+    times; :meth:`row` turns them into the result row of ``balanceroute ab --json``."""
 
     def __init__(self, n: int) -> None:
         self.weight: list[int] = []

@@ -2,7 +2,7 @@
 
 Events arrive from several places (the router's own dispatches, SSE telemetry, client
 cancellations, engine reports) and may be duplicated or reordered. Every handler is
-idempotent and keeps these invariants (SPEC.md section 7):
+idempotent and keeps these invariants (the paper's serving proxy):
 
 - a request is in at most one place: the waiting pool, one worker's active set, or ended;
 - no worker holds more than B active requests;

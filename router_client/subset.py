@@ -1,4 +1,4 @@
-"""Exact subset choice for Stage 2 with reachable-sum bitsets (SPEC.md section 4).
+"""Exact subset choice for Stage 2 with reachable-sum bitsets (the paper's Stage 2).
 
 For a fixed worker, F depends on a subset ``Q`` only through ``D = sum of s_i over Q``. One
 Python integer per subset size j is a bitset: bit b of ``dp[j]`` is set when exactly j of the

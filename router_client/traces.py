@@ -1,4 +1,4 @@
-"""Trace loaders: every format of API.md, read as the public files are.
+"""Trace loaders: every format ``balanceroute ab --format`` takes, read as the public files are.
 
 A :class:`Trace` holds one row per request in arrival order. Loaders report a malformed line
 with :class:`~router_client.errors.TraceFormatError` (file and line number), never a traceback.

@@ -82,7 +82,7 @@ def test_residual_life_against_direct_computation(a, horizon):
         assert np.isnan(life.mu_rem[0])
     else:
         assert life.mu_rem[0] == pytest.approx(mu, abs=1e-9)
-    # c = (1 - p) * H + p * mu, the decomposition of SPEC.md section 6
+    # c = (1 - p) * H + p * mu, the decomposition c = (1 - p_fin) H + p_fin mu_rem
     if mu is not None:
         assert life.c_hat[0] == pytest.approx((1 - p) * horizon + p * mu)
 

@@ -10,7 +10,7 @@ from router_client.fscore import MarginTable, br0_score, direct_score, discounts
     ("D", "want"), [(900, 900), (1000, 1000), (1100, 300), (1200, -400), (0, 0)]
 )
 def test_spec_worked_example(D, want):
-    # SPEC.md section 3: G = 8, m_g = 1000.
+    # the paper's BR-0 example: G = 8, m_g = 1000.
     assert br0_score(D, 1000, 8) == want
 
 

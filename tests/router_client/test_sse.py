@@ -5,7 +5,7 @@ import pytest
 from router_client.sse import SSEParser, StreamTelemetry
 from router_client.state import MirroredFleet
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parent.parent / "data"
 
 
 def fleet_with(request_id="r1"):

@@ -48,10 +48,6 @@ def default_policies() -> list[str]:
     return [p for p in known_policies() if p not in ("random", "brh")]
 
 
-def needs_predictor(policy: str) -> bool:
-    return policy == ORACLE_POLICY or spec_for_policy(policy) is not None
-
-
 def estimator_name(policy: str) -> str:
     """The estimator behind a learned ``brh-*`` policy (``brh-exactmatch`` -> ``exact_match``)."""
     spec = spec_for_policy(policy)

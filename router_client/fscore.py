@@ -77,12 +77,6 @@ class MarginTable:
         if self._stale[worker]:
             self._refresh(np.array([worker]))
 
-    def refresh_all(self) -> None:
-        """Bring every stale row up to date in one vectorized pass."""
-        stale = np.flatnonzero(self._stale)
-        if stale.size:
-            self._refresh(stale)
-
     def margins(self, worker: int) -> np.ndarray:
         """Worker's margins ``M_h - L_{g,h}`` in horizon order."""
         return self.envelope - self.loads[worker]

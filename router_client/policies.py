@@ -223,9 +223,6 @@ for _spec in (
 ):
     register_policy(_spec)
 
-BASELINES = ("random", "rr", "jsq", "p2c", "ltl")
-
-
 def make_policy(name: str, seed: int = 0, params: BalanceRouteParams | None = None) -> Policy:
     """The policy called ``name``: a baseline, ``br0``, ``brh`` or ``brh-<estimator>``.
 

@@ -140,6 +140,27 @@ def build_parser() -> argparse.ArgumentParser:
                     help="route BR-H through a running prediction service")
     ab.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
+    tune = sub.add_parser("tune", help="which policy this workload should run: BR-0 or a BR-H "
+                          "setting, by replaying the trace over a small grid")
+    tune.add_argument("--trace", required=True,
+                      help="trace file, or synth:long|templated|shift[:key=value,...]")
+    tune.add_argument("--format", default="auto", choices=FORMATS)
+    tune.add_argument("--workers", type=int, default=8)
+    tune.add_argument("--batch", type=int, default=64)
+    tune.add_argument("--requests", type=int, default=None, help="the first N requests")
+    tune.add_argument("--load", type=_load, default=1.0,
+                      help="arrival rate relative to saturation, or 'backlog' (default 1.0)")
+    tune.add_argument("--estimator", default="exact_match",
+                      help="estimator BR-H would use (default exact_match)")
+    tune.add_argument("--holdout", type=float, default=0.0,
+                      help="share of the trace (the latest requests) kept out of tuning and "
+                      "used to check the recommendation against BR-0 (default 0)")
+    tune.add_argument("--min-gain", type=float, default=0.001,
+                      help="BR-H must beat BR-0's throughput by this share (default 0.001)")
+    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--json", type=Path, default=None, help="write the result here")
+    tune.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     router = bench_sub.add_parser("router", help="time full BR-H scheduling rounds")
@@ -200,6 +221,35 @@ def cmd_ab(args: argparse.Namespace) -> int:
         title = f"{Path(args.trace).name}, load {args.load}"
         plots = abtest.write_plots(comparison, args.out, title)
         print(f"wrote {args.out / 'results.csv'} and {', '.join(p.name for p in plots)}")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .tuning import tune
+
+    trace = load_trace(args.trace, args.format, args.requests)
+    config = SimConfig(workers=args.workers, batch=args.batch, load=args.load, seed=args.seed)
+    result = tune(trace, config, estimator=args.estimator, min_gain=args.min_gain,
+                  holdout=args.holdout, progress=Progress(not args.quiet))
+    reference = next(r for r in result.rows if r["policy"] == "br0")["throughput_tok_s"]
+    tuned = len(trace) - int(round(len(trace) * args.holdout))
+    print(f"trace {args.trace}: tuned on the first {tuned} of {len(trace)} requests, "
+          f"G={args.workers}, B={args.batch}, load {args.load}, estimator {args.estimator}")
+    print(f"{'setting':<34} {'tok/s':>9} {'x br0':>7} {'max-min':>9} {'guard':>6}")
+    for row in result.rows:
+        print(f"{row['setting']:<34} {row['throughput_tok_s']:9.1f} "
+              f"{row['throughput_tok_s'] / reference:7.4f} {row['imbalance_maxmin_mean']:9.0f} "
+              f"{row['starvation_guard_admissions']:6d}")
+    print("recommendation:", json.dumps(result.recommendation))
+    if result.evaluation:
+        base = result.evaluation[0]["throughput_tok_s"]
+        for row in result.evaluation:
+            ratio = row["throughput_tok_s"] / base
+            print(f"held out ({row['requests']} later requests): {row['setting']:<34} "
+                  f"{row['throughput_tok_s']:9.1f} tok/s, x br0 {ratio:.4f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result.as_dict(), indent=1))
     return 0
 
 
@@ -290,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_ab(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "tune":
+            return cmd_tune(args)
         return cmd_demo(args)
     except BalanceRouteError as exc:
         print(f"error: {exc}", file=sys.stderr)

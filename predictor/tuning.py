@@ -1,0 +1,175 @@
+"""Which policy a workload should run: replay past traffic over BR-0 and a small BR-H grid.
+
+:func:`tune` replays a trace (a file, or the service's own stored observations) through BR-0
+and each BR-H candidate of a grid, with the *learned* estimator the routers would get (not
+true lengths: a setting is only worth what the predictions it will see make of it), and ranks
+them by throughput over the routing window. BR-H is recommended only when its best candidate
+beats BR-0 by at least ``min_gain`` (default 0.1%): where lookahead cannot help, routers run
+BR-0, which needs no predictor at all.
+
+Only the past counts. ``holdout`` splits the trace in arrival order: the grid is replayed on
+the earlier part only, and the recommendation is then checked against BR-0 on the later part,
+which tuning never saw (the figures a user should trust); there the learner starts from what
+it learned on the earlier part, as a running service would. The service tunes on the
+observations it holds, which are all in the past by construction.
+
+The recommendation is a small dict, the shape of ``/v1/status`` and of every contributions
+answer: ``{"policy": "br0"}`` or ``{"policy": "brh", "horizon", "beta", "gamma",
+"estimator"}``; :class:`~router_client.client.RouterClient` adopts it at a refresh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+from router_client.admission import BalanceRouteParams
+from router_client.errors import ParameterError
+from router_client.policies import make_policy
+from router_client.predictors import FinishedBatch
+from router_client.simulator import SimConfig, simulate
+from router_client.traces import Trace
+
+from .abtest import make_predictor
+from .estimators import estimator_spec
+from .settings import Settings
+
+ProgressCallback = Callable[[float, str], None]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setting of the grid: BR-0, or BR-H with its lookahead parameters."""
+
+    policy: str  # "br0" or "brh"
+    horizon: int = 0
+    beta: float | None = None
+    gamma: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.policy == "br0":
+            return "br0"
+        return f"brh H={self.horizon} beta={self.beta:g} gamma={self.gamma:g}"
+
+    def params(self, base: BalanceRouteParams) -> BalanceRouteParams:
+        if self.policy == "br0":
+            return base.as_br0()
+        return replace(base, horizon=self.horizon, beta=self.beta,
+                       gamma=base.gamma if self.gamma is None else self.gamma)
+
+
+# Small on purpose: every candidate is a full replay. H spans short and the paper's
+# lookahead; beta spans "overflow costs as in BR-0" (G-like) to heavier; gamma a slow and a
+# fast discount.
+DEFAULT_GRID: tuple[Candidate, ...] = (
+    Candidate("br0"),
+    *(Candidate("brh", h, b, g) for h in (20, 80) for b in (8.0, 43.0) for g in (0.86, 0.97)),
+)
+
+
+@dataclass
+class TuningResult:
+    rows: list[dict]  # one per candidate, best first
+    recommendation: dict
+    evaluation: list[dict] = field(default_factory=list)  # on the held-out window
+
+    def as_dict(self) -> dict:
+        return {"rows": self.rows, "recommendation": self.recommendation,
+                "evaluation": self.evaluation}
+
+
+def recommendation_of(candidate: Candidate, estimator: str) -> dict:
+    if candidate.policy == "br0":
+        return {"policy": "br0"}
+    return {"policy": "brh", "horizon": candidate.horizon, "beta": candidate.beta,
+            "gamma": candidate.gamma, "estimator": estimator}
+
+
+def parse_grid(items: Sequence[dict]) -> tuple[Candidate, ...]:
+    """A grid from dicts like ``{"horizon": 20, "beta": 8, "gamma": 0.9}``; BR-0 always
+    takes part."""
+    grid = [Candidate("br0")]
+    for number, item in enumerate(items):
+        try:
+            horizon, beta, gamma = int(item["horizon"]), float(item["beta"]), float(item["gamma"])
+        except (KeyError, TypeError, ValueError):
+            raise ParameterError(f"grid[{number}]", "needs numeric horizon, beta, gamma"
+                                 ) from None
+        BalanceRouteParams(horizon=horizon, beta=beta, gamma=gamma)  # validates the ranges
+        if horizon < 1:
+            raise ParameterError(f"grid[{number}].horizon", "must be >= 1 (BR-0 is always in)")
+        grid.append(Candidate("brh", horizon, beta, gamma))
+    return tuple(grid)
+
+
+def _replay(trace: Trace, candidate: Candidate, config: SimConfig, base: BalanceRouteParams,
+            estimator: str, settings: Settings | None, progress, warm: Trace | None = None
+            ) -> dict:
+    """One replay; ``warm``: past requests the learner knows before the replay starts."""
+    params = candidate.params(base)
+    policy_name = "br0" if candidate.policy == "br0" else estimator_spec(estimator).policy
+    policy = make_policy(policy_name, seed=config.seed, params=params)
+    run_config = replace(config, horizon=max(candidate.horizon, 1))
+    predictor = make_predictor(policy_name, trace, settings)
+    if predictor is not None and warm is not None:
+        predictor.observe(FinishedBatch(
+            np.arange(len(warm)), warm.prompt_tokens, warm.output_tokens, warm.censored,
+            list(warm.prompt_keys)))
+    row = simulate(trace, policy, run_config, predictor, progress).row
+    return {"setting": candidate.label, **asdict(candidate), "estimator": estimator, **row}
+
+
+def _rank(rows: list[dict]) -> list[dict]:
+    return sorted(rows, key=lambda r: (-r["throughput_tok_s"], r["imbalance_maxmin_mean"]))
+
+
+def tune(trace: Trace, config: SimConfig, estimator: str = "exact_match",
+         grid: Sequence[Candidate] = DEFAULT_GRID, min_gain: float = 0.001,
+         holdout: float = 0.0, base: BalanceRouteParams | None = None,
+         settings: Settings | None = None,
+         progress: ProgressCallback | None = None) -> TuningResult:
+    """Rank ``grid`` on ``trace`` (its earlier ``1 - holdout`` share when ``holdout`` > 0)."""
+    if not 0.0 <= holdout < 1.0:
+        raise ParameterError("holdout", "must be in [0, 1)")
+    estimator_spec(estimator)  # a clear error for an unknown name
+    base = base or BalanceRouteParams()
+    split = len(trace) - int(round(len(trace) * holdout))
+    if split < 1:
+        raise ParameterError("holdout", "leaves no request to tune on")
+    past = trace.head(split)
+    candidates = list(grid) if any(c.policy == "br0" for c in grid) else [Candidate("br0"),
+                                                                          *grid]
+    rows = []
+    for number, candidate in enumerate(candidates):
+        def report(fraction: float, number: int = number, label: str = candidate.label) -> None:
+            if progress is not None:
+                progress((number + fraction) / len(candidates), label)
+
+        rows.append(_replay(past, candidate, config, base, estimator, settings, report))
+    ranked = _rank(rows)
+    br0_row = next(r for r in rows if r["policy"] == "br0")
+    best = ranked[0]
+    chosen = Candidate("br0")
+    if best["policy"] != "br0" and best["throughput_tok_s"] >= (
+            1.0 + min_gain) * br0_row["throughput_tok_s"]:
+        chosen = Candidate("brh", best["horizon"], best["beta"], best["gamma"])
+    result = TuningResult(ranked, recommendation_of(chosen, estimator))
+    if holdout > 0:
+        later = _later(trace, split)
+        result.evaluation = [
+            _replay(later, c, config, base, estimator, settings, None, warm=past)
+            for c in dict.fromkeys([Candidate("br0"), chosen])]
+    return result
+
+
+def _later(trace: Trace, split: int) -> Trace:
+    """Requests from ``split`` on, as a trace of their own (times shifted to start at 0)."""
+    arrivals = None
+    if trace.arrival_s is not None:
+        arrivals = trace.arrival_s[split:] - trace.arrival_s[split]
+    return Trace(f"{trace.name}[{split}:]", trace.prompt_tokens[split:],
+                 trace.output_tokens[split:], trace.censored[split:],
+                 list(trace.prompt_keys[split:]), arrivals)

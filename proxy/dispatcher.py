@@ -15,7 +15,10 @@ instead of changing the router):
   therefore one refresh old; RouterClient ages them by the ticks since.
 
 Rounds run on the event loop (BR-0/BR-H rounds take about a millisecond at G = 8); a wake-up
-coalesces every arrival and freed slot since the previous round.
+coalesces every arrival and freed slot since the previous round. BR may leave a free slot
+empty on purpose (admitting would overflow the current maximum); the simulator's router then
+tries again at the next decode step, so here too, while requests wait and an up rank has a
+free slot, another round follows ``round_interval_s`` later (about one decode step).
 """
 
 from __future__ import annotations
@@ -125,8 +128,10 @@ class BackgroundPredictor:
 
 class Dispatcher:
     def __init__(self, client: RouterClient, pending: PendingPool, metrics: ProxyMetrics,
-                 policy: RankMaskPolicy, up: list[bool]) -> None:
+                 policy: RankMaskPolicy, up: list[bool], round_interval_s: float = 0.01) -> None:
         self.client = client
+        self.round_interval_s = round_interval_s
+        self._retry: asyncio.TimerHandle | None = None
         self.pending = pending
         self.metrics = metrics
         self.policy = policy
@@ -148,6 +153,18 @@ class Dispatcher:
                 self.round()
             except Exception:  # keep routing; the state check in tests catches real faults
                 log.exception("routing round failed")
+            if self._retry is None and self.client.fleet.pool and self._free_up_slots():
+                self._retry = asyncio.get_running_loop().call_later(self.round_interval_s,
+                                                                    self._retry_round)
+
+    def _retry_round(self) -> None:
+        self._retry = None
+        self.wake()
+
+    def _free_up_slots(self) -> bool:
+        fleet = self.client.fleet
+        return any(up and len(members) < fleet.capacity
+                   for up, members in zip(self.up, fleet.per_worker, strict=True))
 
     async def reaper(self, interval_s: float) -> None:
         """Pool TTL and silent-request TTL are enforced inside ``tick``; wake it regularly."""

@@ -41,7 +41,7 @@ def prompt_tokens(body: dict[str, Any]) -> int:
     if isinstance(prompt, str):
         return max(1, _text_tokens(prompt))
     if isinstance(prompt, list):
-        if all(isinstance(t, int) for t in prompt):
+        if not prompt or isinstance(prompt[0], int):  # token ids (not checked one by one)
             return max(1, len(prompt))
         total = 0
         for item in prompt:

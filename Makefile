@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check predictor router_client models migrations tests
-	$(BIN)/mypy router_client predictor models
+	$(BIN)/ruff check predictor router_client proxy models migrations tests
+	$(BIN)/mypy router_client predictor proxy models
 
 test: lint
 	$(BIN)/python -m pytest -q

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from importlib.resources import files
 from pathlib import Path
 
+from proxy.cli import add_commands as add_serving_commands
 from router_client.admission import BalanceRouteParams
 from router_client.errors import BalanceRouteError
 from router_client.predictors import Predictor
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibration.add_argument("--json", type=Path, default=None)
 
     sub.add_parser("demo", help="run the main job end to end on bundled data")
+    add_serving_commands(sub, bench_sub)  # proxy, emulate, bench serve (proxy/cli.py)
     return parser
 
 
@@ -334,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        if getattr(args, "handler", None) is not None:
+            return args.handler(args)
         if args.command == "serve":
             return cmd_serve(args)
         if args.command == "ab":

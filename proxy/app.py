@@ -1,0 +1,532 @@
+"""``balanceroute proxy``: OpenAI-compatible routing proxy in front of DP decode ranks.
+
+One request, end to end (SPEC.md section 7):
+
+1. ``POST /v1/completions`` or ``/v1/chat/completions`` arrives; its prompt token count comes
+   from :mod:`proxy.tokens` (exact for token-id prompts, ``chars / 4`` otherwise), or, with
+   ``--prefill``, from a prefill probe (``max_tokens`` 1, ``kv_transfer_params`` with
+   ``do_remote_decode``, as vLLM's disaggregated-serving proxy sends) on the prefill instance
+   with the most free KV budget; the probe's ``kv_transfer_params`` answer is the handle.
+2. It joins the Prompt Pool (bounded: 429 when full; TTL: 503 when it expires) and the decode
+   dispatcher routes it with ``RouterClient`` (BR-0, BR-H, or a baseline).
+3. The request goes whole (plus the KV handle) to the chosen rank, always as a stream with
+   ``stream_options.include_usage``; the SSE relay counts tokens in-band
+   (``RouterClient.stream``) and either relays the events (streaming client) or folds them
+   into one response. The first decode chunk frees the prefill budget.
+4. However it ends (finish, cut stream, client disconnect in the pool or mid-stream, rank
+   failure), the slot is freed and the dispatcher woken.
+
+A rank that refuses connections before a request started there is marked down and the
+request is routed again once (a fresh id: the mirrored state never re-admits an id). With
+``--bypass`` the router counts ``2 * batch`` slots per rank: requests are dispatched as soon
+as they arrive and wait in the engine's queue (dispatched but not running, counted as load),
+so KV transfer overlaps compute at the cost of routing quality.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from router_client.admission import BalanceRouteParams
+from router_client.client import RouterClient, RouterConfig
+from router_client.http_predictor import HttpPredictor
+from router_client.policies import make_policy
+from router_client.predictors import Predictor
+from router_client.sse import SSEParser, StreamTelemetry
+from router_client.traces import key_of_text
+
+from .dispatcher import BackgroundPredictor, Dispatcher, RankMaskPolicy
+from .emulator import wait_disconnect
+from .engines import EngineSet
+from .metrics import ProxyMetrics
+from .pool import PendingPool, PoolExpired, PoolFull
+from .relay import Aggregate, is_usage_only, tool_progress
+from .tokens import prompt_tokens
+
+log = logging.getLogger("balanceroute.proxy")
+
+POLICIES = ("br0", "brh", "jsq", "rr", "ltl")
+PREFILL_PROBE_KV = {"do_remote_decode": True, "do_remote_prefill": False,
+                    "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                    "remote_port": None}
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    decode: list[str]
+    prefill: list[str] = field(default_factory=list)
+    policy: str = "br0"
+    predictor_url: str | None = None
+    batch: int = 64
+    bypass: bool = False
+    horizon: int = 80
+    refresh_steps: int = 10
+    pool_max: int = 4096
+    pool_ttl_s: float = 60.0
+    active_ttl_s: float = 300.0
+    connect_timeout_s: float = 2.0
+    engine_timeout_s: float = 120.0
+    probe_interval_s: float = 1.0
+    reconcile_interval_s: float = 5.0
+    prefill_kv_budget: int = 2_000_000
+    retries: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.decode:
+            raise ValueError("at least one --decode URL is needed")
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}")
+        if self.policy == "brh" and not self.predictor_url:
+            raise ValueError("--policy brh needs --predictor-url")
+
+
+class ProxyError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "proxy_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+    def response(self) -> Response:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind,
+                                       "code": self.status}}, status_code=self.status)
+
+
+class StreamCut(Exception):
+    """The upstream stream ended without a finish (engine died, connection cut, timeout)."""
+
+
+@dataclass(eq=False)
+class Call:
+    """One client request through the proxy."""
+
+    base_id: str
+    chat: bool
+    client_stream: bool
+    client_usage: bool
+    headers: dict[str, str]
+    request_id: str = ""
+    rank: int | None = None
+    response: httpx.Response | None = None
+    telemetry: StreamTelemetry | None = None
+    prefill_instance: int | None = None
+    prefill_tokens: int = 0
+    tool_deltas: int = 0
+    outcome: str = "cancelled"
+    closed: bool = False
+
+
+class PrefillBudget:
+    """Per prefill instance: KV tokens held by handles not yet consumed by a decode rank."""
+
+    def __init__(self, instances: int, budget: int) -> None:
+        self.held = [0] * instances
+        self.budget = budget
+        self.changed = asyncio.Condition()
+
+    async def acquire(self, tokens: int, up: list[bool]) -> int:
+        async with self.changed:
+            while True:
+                fits = [i for i, held in enumerate(self.held)
+                        if up[i] and (held + tokens <= self.budget or held == 0)]
+                if fits:
+                    instance = min(fits, key=lambda i: (self.held[i], i))
+                    self.held[instance] += tokens
+                    return instance
+                await self.changed.wait()
+
+    async def release(self, instance: int, tokens: int) -> None:
+        async with self.changed:
+            self.held[instance] -= tokens
+            self.changed.notify_all()
+
+
+class Proxy:
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.metrics = ProxyMetrics()
+        G = len(config.decode)
+        capacity = config.batch * (2 if config.bypass else 1)
+        params = (BalanceRouteParams(horizon=config.horizon) if config.policy == "brh"
+                  else BalanceRouteParams.br0())
+        self.predictor: BackgroundPredictor | None = None
+        predictor: Predictor | None = None
+        if config.policy == "brh" and config.predictor_url:
+            inner = HttpPredictor(config.predictor_url, id_prefix=f"proxy-{uuid.uuid4().hex[:6]}-")
+            self.predictor = BackgroundPredictor(inner)
+            predictor = self.predictor
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(config.engine_timeout_s, connect=config.connect_timeout_s,
+                                  pool=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=4096))
+        self.pending = PendingPool(config.pool_max)
+        self.engines = EngineSet(config.decode, self.http, self.metrics, self._wake,
+                                 config.probe_interval_s)
+        base = make_policy(config.policy if config.policy in ("jsq", "rr", "ltl") else
+                           ("brh" if params.horizon else "br0"), params=params)
+        self.policy = RankMaskPolicy(base, self.engines.up)
+        self.client = RouterClient(
+            RouterConfig(G, capacity, params, refresh_steps=config.refresh_steps,
+                         pool_ttl_s=config.pool_ttl_s, active_ttl_s=config.active_ttl_s),
+            predictor, metrics=self.metrics.router, policy=self.policy)
+        self.dispatcher = Dispatcher(self.client, self.pending, self.metrics, self.policy,
+                                     self.engines.up)
+        self.prefills = (EngineSet(config.prefill, self.http, self.metrics, self._wake,
+                                   config.probe_interval_s, kind="prefill")
+                         if config.prefill else None)
+        self.budget = PrefillBudget(len(config.prefill), config.prefill_kv_budget)
+        self.tasks: list[asyncio.Task[None]] = []
+        self.calls = 0
+
+    def _wake(self) -> None:
+        self.dispatcher.wake()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def startup(self) -> None:
+        self.tasks = [
+            asyncio.ensure_future(self.dispatcher.run()),
+            asyncio.ensure_future(self.dispatcher.reaper(1.0)),
+            asyncio.ensure_future(self.engines.reconcile_loop(
+                self.client, self.pending, self.config.reconcile_interval_s)),
+        ]
+        if self.prefills is not None:
+            self.tasks.append(asyncio.ensure_future(self.prefills.reconcile_loop(
+                self.client, self.pending, self.config.reconcile_interval_s)))
+        if self.predictor is not None:
+            reporter = getattr(self.predictor.inner, "reporter", None)
+            if reporter is not None:
+                reporter.start()
+
+    async def shutdown(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        self.engines.close()
+        if self.prefills is not None:
+            self.prefills.close()
+        await self.http.aclose()
+        if self.predictor is not None:
+            self.predictor.close()
+
+    # -- one request ------------------------------------------------------------------------
+    async def handle(self, request: Request, path: str, chat: bool) -> Response:
+        try:
+            body = orjson.loads(await request.body())
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except (orjson.JSONDecodeError, ValueError) as exc:
+            return ProxyError(400, f"invalid JSON body: {exc}", "invalid_request_error"
+                              ).response()
+        self.calls += 1
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        call = Call(f"br-{uuid.uuid4().hex}", chat, bool(body.get("stream")),
+                    bool((body.get("stream_options") or {}).get("include_usage")), headers)
+        start = asyncio.ensure_future(self.start(call, body, path))
+        if not await self._race(start, request):
+            await self.close(call)
+            return Response(status_code=499)
+        try:
+            start.result()
+        except ProxyError as exc:
+            call.outcome = "rejected" if exc.status in (429, 503) else "error"
+            await self.close(call)
+            return exc.response()
+        if call.client_stream:
+            return StreamingResponse(self.relay(call), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
+        collect = asyncio.ensure_future(self.collect(call))
+        if not await self._race(collect, request):
+            await self.close(call)
+            return Response(status_code=499)
+        try:
+            answer = collect.result()
+        except StreamCut as exc:
+            await self.close(call)
+            return ProxyError(502, str(exc), "upstream_error").response()
+        await self.close(call)
+        return Response(orjson.dumps(answer), media_type="application/json")
+
+    @staticmethod
+    async def _race(task: asyncio.Future[Any], request: Request) -> bool:
+        """Wait for ``task`` unless the client leaves first (then cancel it; False)."""
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if task.done():
+            return True
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        return False
+
+    async def start(self, call: Call, body: dict[str, Any], path: str) -> None:
+        """Prefill (if any), pool, routing, and the upstream stream's headers."""
+        estimate = prompt_tokens(body)
+        source = body.get("messages") if call.chat else body.get("prompt")
+        key = key_of_text(orjson.dumps(source).decode()) if source is not None else None
+        upstream = dict(body)
+        upstream["stream"] = True
+        upstream["stream_options"] = {**(body.get("stream_options") or {}),
+                                      "include_usage": True}
+        tokens = estimate
+        if self.prefills is not None:
+            tokens, handle = await self._prefill(call, body, path, estimate)
+            upstream["kv_transfer_params"] = handle
+        content = orjson.dumps(upstream)
+        for attempt in range(1 + self.config.retries):
+            call.request_id = call.base_id if attempt == 0 else f"{call.base_id}-r{attempt}"
+            rank = await self._admit(call, tokens, key)
+            call.rank = rank
+            try:
+                request = self.http.build_request(
+                    "POST", self.engines.url(rank) + path, content=content,
+                    headers={"content-type": "application/json", **call.headers})
+                call.response = await self.http.send(request, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                # Nothing ran there: free the slot and route again, to another rank.
+                self.engines.mark_down(rank, f"connect: {type(exc).__name__}")
+                self._end(call, "error")
+                continue
+            except httpx.HTTPError as exc:
+                self.engines.mark_down(rank, f"send: {type(exc).__name__}")
+                self._end(call, "error")
+                raise ProxyError(502, f"decode rank {rank} failed: {exc!r}",
+                                 "upstream_error") from exc
+            if call.response.status_code != 200:
+                text = (await call.response.aread()).decode(errors="replace")
+                status = call.response.status_code
+                self._end(call, "error")
+                raise ProxyError(status, f"decode rank {rank}: {text[:500]}", "upstream_error")
+            call.telemetry = self.client.stream(call.request_id)
+            return
+        raise ProxyError(502, "no decode rank accepted the request", "upstream_error")
+
+    def _end(self, call: Call, reason: str) -> None:
+        self.client.fleet.finish(call.request_id, reason, time.monotonic())
+        self.pending.leave(call.request_id)
+        self.dispatcher.wake()
+
+    async def _admit(self, call: Call, tokens: int, key: str | None) -> int:
+        now = time.monotonic()
+        try:
+            entry = self.pending.join(call.request_id, now)
+        except PoolFull:
+            self.metrics.pool_rejected.inc()
+            raise ProxyError(429, "the prompt pool is full", "rate_limit_error") from None
+        if not self.client.on_prefilled(call.request_id, tokens, now, key):
+            self.pending.leave(call.request_id)
+            raise ProxyError(500, "duplicate request id")
+        self.dispatcher.wake()
+        try:
+            return await entry.future
+        except PoolExpired:
+            raise ProxyError(503, "no decode slot within the pool TTL",
+                             "service_unavailable") from None
+
+    async def _prefill(self, call: Call, body: dict[str, Any], path: str,
+                       estimate: int) -> tuple[int, Any]:
+        assert self.prefills is not None
+        if not self.prefills.any_up():
+            raise ProxyError(503, "no prefill instance is up", "service_unavailable")
+        instance = await self.budget.acquire(estimate, self.prefills.up)
+        call.prefill_instance, call.prefill_tokens = instance, estimate
+        probe = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        probe.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_PROBE_KV))
+        if "max_completion_tokens" in probe:
+            probe["max_completion_tokens"] = 1
+        try:
+            response = await self.http.post(self.prefills.url(instance) + path,
+                                             content=orjson.dumps(probe),
+                                             headers={"content-type": "application/json",
+                                                      **call.headers})
+        except httpx.HTTPError as exc:
+            self.prefills.mark_down(instance, f"prefill: {type(exc).__name__}")
+            raise ProxyError(502, f"prefill instance {instance} failed: {exc!r}",
+                             "upstream_error") from exc
+        if response.status_code != 200:
+            raise ProxyError(response.status_code,
+                             f"prefill instance {instance}: {response.text[:500]}",
+                             "upstream_error")
+        answer = orjson.loads(response.content)
+        tokens = int((answer.get("usage") or {}).get("prompt_tokens") or estimate)
+        return tokens, answer.get("kv_transfer_params")
+
+    async def _release_prefill(self, call: Call) -> None:
+        if call.prefill_instance is not None:
+            instance, call.prefill_instance = call.prefill_instance, None
+            await self.budget.release(instance, call.prefill_tokens)
+
+    async def events(self, call: Call) -> AsyncIterator[tuple[dict[str, Any], str]]:
+        """Upstream events as (chunk, raw data), with telemetry; raises StreamCut."""
+        assert call.response is not None and call.telemetry is not None
+        telemetry = call.telemetry
+        fleet = self.client.fleet
+        parser = SSEParser()
+        try:
+            async for raw in call.response.aiter_raw():
+                now = time.monotonic()
+                if call.prefill_instance is not None:
+                    await self._release_prefill(call)  # the first decode chunk: KV handed off
+                for data in parser.feed(raw):
+                    if data.strip() == "[DONE]":
+                        continue
+                    try:
+                        chunk = orjson.loads(data)
+                    except orjson.JSONDecodeError:
+                        continue
+                    if not isinstance(chunk, dict):
+                        continue
+                    if "tool_calls" in data or "function_call" in data:
+                        deltas, ends = tool_progress(chunk)
+                        call.tool_deltas += deltas
+                        fleet.progress(call.request_id, telemetry.generated + call.tool_deltas,
+                                       now)
+                        if ends:
+                            call.outcome = "tool_calls"
+                            fleet.finish(call.request_id, "stop", now,
+                                         telemetry.generated + call.tool_deltas)
+                    yield chunk, data
+                telemetry.feed(raw, now)
+        except httpx.HTTPError as exc:
+            telemetry.close(time.monotonic())
+            if call.rank is not None and not isinstance(exc, httpx.ReadTimeout):
+                self.engines.mark_down(call.rank, f"stream: {type(exc).__name__}")
+            call.outcome = "error"
+            raise StreamCut(f"decode rank {call.rank} stream failed: {exc!r}") from exc
+        ended = telemetry.close(time.monotonic())
+        if call.outcome != "tool_calls":
+            call.outcome = ended
+        if ended == "error" and call.outcome != "tool_calls":
+            raise StreamCut(f"decode rank {call.rank} ended the stream without a finish")
+
+    async def relay(self, call: Call) -> AsyncIterator[bytes]:
+        try:
+            async for chunk, data in self.events(call):
+                if not call.client_usage and is_usage_only(chunk):
+                    continue
+                yield b"data: " + data.encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        except StreamCut as exc:
+            yield b"data: " + orjson.dumps({"error": {"message": str(exc),
+                                                      "type": "upstream_error",
+                                                      "code": 502}}) + b"\n\n"
+        finally:
+            await self.close(call)
+
+    async def collect(self, call: Call) -> dict[str, Any]:
+        aggregate = Aggregate(call.chat)
+        async for chunk, _ in self.events(call):
+            aggregate.add(chunk)
+        return aggregate.result()
+
+    async def close(self, call: Call) -> None:
+        """Free everything the call holds; idempotent, safe in a cancelled task."""
+        if call.closed:
+            return
+        call.closed = True
+        with anyio.CancelScope(shield=True):
+            fleet = self.client.fleet
+            if call.request_id and (call.request_id in fleet.pool
+                                    or call.request_id in fleet.active):
+                self.client.on_cancel(call.request_id, time.monotonic())
+                call.outcome = "cancelled"
+            self.pending.leave(call.request_id)
+            await self._release_prefill(call)
+            if call.response is not None:
+                with contextlib.suppress(Exception):
+                    await call.response.aclose()
+            self.metrics.requests.labels(call.outcome).inc()
+            self.dispatcher.wake()
+
+    # -- other endpoints --------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        for engine in self.engines.engines:
+            if not engine.up:
+                continue
+            try:
+                response = await self.http.get(f"{engine.url}/v1/models", headers={
+                    k: v for k, v in request.headers.items() if k.lower() == "authorization"})
+            except httpx.HTTPError:
+                continue
+            return Response(response.content, status_code=response.status_code,
+                            media_type="application/json")
+        return ProxyError(503, "no decode rank is up", "service_unavailable").response()
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        self.dispatcher.publish()
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def state(self, request: Request) -> Response:
+        """The mirrored state, for tests and debugging (``check`` raises nothing if sound)."""
+        fleet = self.client.fleet
+        problem = None
+        try:
+            fleet.check()
+        except AssertionError as exc:
+            problem = str(exc) or "invariant violated"
+        counters = fleet.counters
+        return JSONResponse({
+            "invariants": problem or "ok",
+            "pool": len(fleet.pool), "active": len(fleet.active),
+            "per_rank": [len(members) for members in fleet.per_worker],
+            "up": list(self.engines.up), "pending": len(self.pending.entries),
+            "policy": self.policy.name, "rounds": self.dispatcher.rounds,
+            "fallback_rounds": self.client.fallback_rounds,
+            "brh_active": self.client.use_predictions,
+            "counters": {name: getattr(counters, name) for name in counters.__dataclass_fields__},
+        })
+
+
+def build_app(config: ProxyConfig) -> Starlette:
+    proxy = Proxy(config)
+
+    async def completions(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/completions", chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/chat/completions", chat=True)
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        ready = proxy.engines.any_up()
+        return JSONResponse({"ready": ready, "up": list(proxy.engines.up)},
+                            status_code=200 if ready else 503)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await proxy.startup()
+        try:
+            yield
+        finally:
+            await proxy.shutdown()
+
+    app = Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", proxy.models, methods=["GET"]),
+        Route("/metrics", proxy.metrics_endpoint, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/proxy/state", proxy.state, methods=["GET"]),
+    ], lifespan=lifespan)
+    app.state.proxy = proxy
+    return app

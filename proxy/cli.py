@@ -1,0 +1,154 @@
+"""Command line of the serving side: ``proxy``, ``emulate`` and ``bench serve``.
+
+``add_commands(subparsers, bench_subparsers)`` registers them on the ``balanceroute`` parser;
+each sets ``handler`` (the function the main CLI calls with the parsed arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from router_client.simulator import DEFAULT_STEP_COST
+
+
+def _urls(text: str) -> list[str]:
+    urls = [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+    if not urls or not all(u.startswith(("http://", "https://")) for u in urls):
+        raise argparse.ArgumentTypeError(f"expected http(s) URLs separated by commas: {text!r}")
+    return urls
+
+
+def _step_cost(text: str) -> tuple[float, float]:
+    try:
+        a, b = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--step-cost takes A,B: {text!r}") from None
+    if a < 0 or b < 0:
+        raise argparse.ArgumentTypeError("--step-cost values must be >= 0")
+    return a, b
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
+def add_commands(sub: Any, bench_sub: Any) -> None:
+    cost = "A,B: step time = A * max_g L_g + B seconds (default {:g},{:g})".format(
+        *DEFAULT_STEP_COST)
+
+    proxy = sub.add_parser("proxy", help="OpenAI-compatible BalanceRoute proxy for DP ranks")
+    proxy.add_argument("--decode", type=_urls, required=True,
+                       help="decode rank URLs, one per DP rank: http://h:8000,http://h:8001")
+    proxy.add_argument("--prefill", type=_urls, default=[],
+                       help="prefill instance URLs (two-phase requests with kv_transfer_params)")
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8080)
+    proxy.add_argument("--policy", default="br0", choices=["br0", "brh", "jsq", "rr", "ltl"])
+    proxy.add_argument("--predictor-url", default=None,
+                       help="prediction service for BR-H (falls back to BR-0 without it)")
+    proxy.add_argument("--batch", type=int, default=64,
+                       help="B: concurrent requests per decode rank (default 64)")
+    proxy.add_argument("--bypass", action="store_true",
+                       help="route at arrival; up to 2*B per rank (engine queues the excess)")
+    proxy.add_argument("--pool-max", type=int, default=4096, help="pool bound (429 beyond)")
+    proxy.add_argument("--pool-ttl", type=float, default=60.0,
+                       help="seconds a request may wait for a decode slot (default 60)")
+    proxy.add_argument("--engine-timeout", type=float, default=120.0,
+                       help="seconds without a byte from a rank before the stream fails")
+    proxy.add_argument("--prefill-kv-budget", type=int, default=2_000_000,
+                       help="KV tokens one prefill instance may hold for pending hand-offs")
+    proxy.set_defaults(handler=cmd_proxy)
+
+    emulate = sub.add_parser("emulate", help="emulated DP decode ranks (a test double)")
+    emulate.add_argument("--workers", type=int, required=True, help="G decode ranks")
+    emulate.add_argument("--host", default="127.0.0.1")
+    emulate.add_argument("--port", type=int, default=9000, help="rank g listens on port + g")
+    emulate.add_argument("--batch", type=int, default=64, help="B slots per rank (default 64)")
+    emulate.add_argument("--step-cost", type=_step_cost, default=DEFAULT_STEP_COST, help=cost)
+    emulate.add_argument("--time-scale", type=_positive_float, default=1.0,
+                         help="run this many times faster than the cost model (default 1)")
+    emulate.add_argument("--prefill-workers", type=int, default=0,
+                         help="prefill instances on the ports after the decode ranks")
+    emulate.add_argument("--mean-output", type=float, default=128.0,
+                         help="mean output length without ignore_eos (default 128)")
+    emulate.add_argument("--seed", type=int, default=0)
+    emulate.set_defaults(handler=cmd_emulate)
+
+    serve = bench_sub.add_parser("serve", help="replay a trace against an OpenAI endpoint")
+    serve.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8080")
+    serve.add_argument("--trace", required=True, help="trace file or synth:NAME")
+    serve.add_argument("--format", default="auto")
+    rate = serve.add_mutually_exclusive_group()
+    rate.add_argument("--rate", type=_positive_float, default=None,
+                      help="Poisson arrivals at R requests/s ('inf': all at once)")
+    rate.add_argument("--load", type=_positive_float, default=None,
+                      help="rescale trace times to this load (see --workers, --batch)")
+    serve.add_argument("--requests", type=int, default=None, help="the first N requests")
+    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--workers", type=int, default=8, help="fleet size for --load")
+    serve.add_argument("--batch", type=int, default=64, help="B for --load")
+    serve.add_argument("--step-cost", type=_step_cost, default=DEFAULT_STEP_COST, help=cost)
+    serve.add_argument("--time-scale", type=_positive_float, default=1.0)
+    serve.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--json", type=Path, default=None)
+    serve.set_defaults(handler=cmd_bench_serve)
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import ProxyConfig, build_app
+
+    config = ProxyConfig(decode=args.decode, prefill=args.prefill, policy=args.policy,
+                         predictor_url=args.predictor_url, batch=args.batch, bypass=args.bypass,
+                         pool_max=args.pool_max, pool_ttl_s=args.pool_ttl,
+                         engine_timeout_s=args.engine_timeout,
+                         prefill_kv_budget=args.prefill_kv_budget)
+    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="warning",
+                access_log=False, timeout_keep_alive=30, backlog=4096)
+    return 0
+
+
+def cmd_emulate(args: argparse.Namespace) -> int:
+    from .emulator import EmulatorConfig, serve
+
+    config = EmulatorConfig(workers=args.workers, batch=args.batch, step_cost=args.step_cost,
+                            time_scale=args.time_scale, seed=args.seed,
+                            mean_output=args.mean_output, prefill_workers=args.prefill_workers)
+    try:
+        asyncio.run(serve(config, args.host, args.port))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from router_client.traces import load_trace
+
+    from .loadgen import LoadConfig, format_summary, run
+
+    trace = load_trace(args.trace, args.format, args.requests)
+    config = LoadConfig(url=args.url, rate=args.rate, load=args.load,
+                        max_concurrency=args.max_concurrency, workers=args.workers,
+                        batch=args.batch, step_cost=args.step_cost, time_scale=args.time_scale,
+                        seed=args.seed, model=args.model)
+    if args.rate is None and args.load is None and trace.arrival_s is None:
+        config = LoadConfig(**{**config.__dict__, "rate": math.inf})
+    summary, _ = asyncio.run(run(trace, config))
+    print(format_summary(summary))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=2))
+    return 0 if summary["failed"] == 0 else 1

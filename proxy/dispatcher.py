@@ -1,0 +1,216 @@
+"""The decode dispatcher: runs the router when the pool is non-empty or a slot frees.
+
+``RouterClient`` is the single source of fleet state. Two small adapters sit between it and
+the proxy (the policy is given to RouterClient's constructor already wrapped):
+
+- :class:`RankMaskPolicy` wraps any policy (``br0``/``brh`` as RouterClient builds them, or a
+  baseline from ``router_client.policies.make_policy``): ranks that are down show no free
+  slot, and the stats of the last round are kept for metrics.
+- :class:`BackgroundPredictor` makes prediction refresh non-blocking: ``predict`` answers at
+  once from the last completed refresh (requests it has not seen get the prior ``H``) and
+  starts the next refresh on a worker thread; a failed, drifted or stale (``max_age_s``)
+  answer is ``Prediction(None)``, so RouterClient falls back to BR-0 as usual. Predictions are
+  therefore one refresh old; RouterClient ages them by the ticks since.
+
+Rounds run on the event loop (BR-0/BR-H rounds take about a millisecond at G = 8); a wake-up
+coalesces every arrival and freed slot since the previous round. BR may leave a free slot
+empty on purpose (admitting would overflow the current maximum); the simulator's router then
+tries again at the next decode step, so here too, while requests wait and an up rank has a
+free slot, another round follows ``round_interval_s`` later (about one decode step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from time import perf_counter
+
+import numpy as np
+
+from router_client.client import RouterClient
+from router_client.fleet import FleetView, WaitingRequest
+from router_client.policies import Decision, Policy
+from router_client.predictors import ActiveBatch, FinishedBatch, Prediction, Predictor
+
+from .metrics import ProxyMetrics
+from .pool import PendingPool
+
+log = logging.getLogger("balanceroute.proxy")
+
+
+class RankMaskPolicy:
+    """A policy that never routes to a rank marked down."""
+
+    def __init__(self, inner: Policy, up: list[bool]) -> None:
+        self.inner = inner
+        self.up = up  # shared with the engine set, updated in place
+        self.last: Decision | None = None
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def needs_predictions(self) -> bool:
+        return self.inner.needs_predictions
+
+    def route(self, fleet: FleetView, pool: list[WaitingRequest]) -> Decision:
+        if not all(self.up):
+            up = np.asarray(self.up, dtype=bool)
+            counts = np.where(up, fleet.active_counts, fleet.capacity)
+            fleet = FleetView(fleet.capacity, fleet.loads, counts, fleet.active_worker,
+                              fleet.active_size, fleet.active_c_hat)
+        if not (fleet.free_slots > 0).any():
+            self.last = Decision([])
+            return self.last
+        self.last = self.inner.route(fleet, pool)
+        return self.last
+
+
+class BackgroundPredictor:
+    """A :class:`Predictor` whose ``predict`` never waits on the network."""
+
+    def __init__(self, inner: Predictor, max_age_s: float = 10.0) -> None:
+        self.inner = inner
+        self.name = getattr(inner, "name", "background")
+        self.max_age_s = max_age_s
+        self.lock = threading.Lock()
+        self.answer: dict[str, float] | None = None
+        self.drifted = False
+        self.answered_at = 0.0
+        self.running = False
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="prediction-refresh")
+
+    def predict(self, batch: ActiveBatch, horizon: int) -> Prediction:
+        with self.lock:
+            if not self.running:
+                self.running = True
+                self.executor.submit(self._refresh, batch, horizon)
+            answer, drifted = self.answer, self.drifted
+            stale = time.monotonic() - self.answered_at > self.max_age_s
+        if answer is None or stale:
+            return Prediction(None)
+        c_hat = np.fromiter((answer.get(str(r), float(horizon))
+                             for r in batch.request_ids.tolist()), np.float64,
+                            len(batch.request_ids))
+        return Prediction(c_hat, drifted=drifted)
+
+    def _refresh(self, batch: ActiveBatch, horizon: int) -> None:
+        try:
+            prediction = self.inner.predict(batch, horizon)
+        except Exception:  # a predictor bug must not stop refreshes: treat as unavailable
+            log.exception("prediction refresh raised")
+            prediction = Prediction(None)
+        with self.lock:
+            self.running = False
+            if prediction.c_hat is None:
+                self.answer = None
+                return
+            self.answer = dict(zip((str(r) for r in batch.request_ids.tolist()),
+                                   prediction.c_hat.tolist(), strict=True))
+            self.drifted = prediction.drifted
+            self.answered_at = time.monotonic()
+
+    def observe(self, finished: FinishedBatch) -> None:
+        self.inner.observe(finished)  # HttpPredictor only buffers; its reporter sends
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+
+class Dispatcher:
+    def __init__(self, client: RouterClient, pending: PendingPool, metrics: ProxyMetrics,
+                 policy: RankMaskPolicy, up: list[bool], round_interval_s: float = 0.01) -> None:
+        self.client = client
+        self.round_interval_s = round_interval_s
+        self._retry: asyncio.TimerHandle | None = None
+        self.pending = pending
+        self.metrics = metrics
+        self.policy = policy
+        self.up = up
+        self._wake = asyncio.Event()
+        self.rounds = 0
+        self._expired_seen = 0
+        self._fallback_seen = 0
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(0)  # arrivals of the same burst join this round
+            try:
+                self.round()
+            except Exception:  # keep routing; the state check in tests catches real faults
+                log.exception("routing round failed")
+            if self._retry is None and self.client.fleet.pool and self._free_up_slots():
+                self._retry = asyncio.get_running_loop().call_later(self.round_interval_s,
+                                                                    self._retry_round)
+
+    def _retry_round(self) -> None:
+        self._retry = None
+        self.wake()
+
+    def _free_up_slots(self) -> bool:
+        fleet = self.client.fleet
+        return any(up and len(members) < fleet.capacity
+                   for up, members in zip(self.up, fleet.per_worker, strict=True))
+
+    async def reaper(self, interval_s: float) -> None:
+        """Pool TTL and silent-request TTL are enforced inside ``tick``; wake it regularly."""
+        while True:
+            await asyncio.sleep(interval_s)
+            self.wake()
+
+    def round(self) -> None:
+        now = time.monotonic()
+        started = perf_counter()
+        self.policy.last = None
+        dispatches = self.client.tick(now)
+        elapsed = perf_counter() - started
+        self.rounds += 1
+        metrics = self.metrics
+        decision = self.policy.last
+        if decision is not None:
+            metrics.router_latency.observe(elapsed)
+            stats = decision.stats
+            for stage in ("stage1", "stage2"):
+                seconds = stats.extra.get(f"{stage}_s")
+                if seconds is not None:
+                    metrics.stage_latency.labels(stage).observe(seconds)
+            if stats.stage1_admissions:
+                metrics.admissions.labels("stage1").inc(stats.stage1_admissions)
+            if stats.stage2_admissions:
+                metrics.admissions.labels("stage2").inc(stats.stage2_admissions)
+            if stats.starvation_guard_admissions:
+                metrics.guard.inc(stats.starvation_guard_admissions)
+        for request_id, rank in dispatches:
+            entry = self.pending.resolve(request_id, rank)
+            if entry is None:  # its handler is gone: the slot must not stay taken
+                self.client.on_cancel(request_id, now)
+                continue
+            metrics.pool_wait.observe(now - entry.entered)
+        fleet = self.client.fleet
+        if fleet.counters.pool_expired != self._expired_seen:
+            metrics.pool_expired.inc(fleet.counters.pool_expired - self._expired_seen)
+            self._expired_seen = fleet.counters.pool_expired
+            for request_id in self.pending.undispatched():
+                if request_id not in fleet.pool:
+                    self.pending.expire(request_id)
+        if self.client.fallback_rounds != self._fallback_seen:
+            metrics.fallback_rounds.inc(self.client.fallback_rounds - self._fallback_seen)
+            self._fallback_seen = self.client.fallback_rounds
+
+    def publish(self) -> None:
+        """Per-rank gauges and imbalance from the mirrored state (at scrape time)."""
+        view, pool = self.client.fleet.view()
+        self.metrics.set_fleet(view.loads, view.active_counts, self.up)
+        self.metrics.pool_depth.set(len(pool))

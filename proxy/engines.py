@@ -1,0 +1,130 @@
+"""Decode (and prefill) engines seen from the proxy: health, probing, reconciliation.
+
+A rank whose connection fails, or whose stream breaks mid-way, is marked down: the router
+skips it (:class:`proxy.dispatcher.RankMaskPolicy`), requests streaming from it fail on their
+own (their streams are cut) and a probe (``GET /v1/models`` every ``probe_interval_s``) brings
+it back. Every ``reconcile_interval_s`` the proxy
+
+- drops mirrored requests on a rank that no live handler serves any more (ghosts; the proxy's
+  own records are the reference, since vLLM's ``/metrics`` carries counts, not request ids);
+- reads the rank's ``/metrics`` (``vllm:num_requests_running`` + ``vllm:num_requests_waiting``)
+  and exports the engine's count beside the mirrored one, so a divergence shows on the
+  dashboard. A rank whose ``/metrics`` cannot be reached is marked down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from router_client.client import RouterClient
+
+from .metrics import ProxyMetrics
+from .pool import PendingPool
+
+log = logging.getLogger("balanceroute.proxy")
+
+_METRIC = re.compile(
+    r"^(vllm:num_requests_running|vllm:num_requests_waiting)(\{[^}]*\})?\s+([0-9.eE+-]+)",
+    re.M)
+
+
+def engine_requests(metrics_text: str) -> int:
+    """Running plus waiting requests in a vLLM-style ``/metrics`` page (summed over labels)."""
+    return int(sum(float(m.group(3)) for m in _METRIC.finditer(metrics_text)))
+
+
+@dataclass
+class Engine:
+    index: int
+    url: str
+    up: bool = True
+    failures: int = 0
+    last_error: str | None = None
+    engine_requests: int | None = None
+
+
+class EngineSet:
+    def __init__(self, urls: list[str], http: httpx.AsyncClient, metrics: ProxyMetrics,
+                 on_up: Callable[[], None], probe_interval_s: float = 1.0,
+                 kind: str = "decode") -> None:
+        self.engines = [Engine(g, url.rstrip("/")) for g, url in enumerate(urls)]
+        self.up = [True] * len(urls)  # shared, updated in place (RankMaskPolicy reads it)
+        self.http = http
+        self.metrics = metrics
+        self.on_up = on_up
+        self.probe_interval_s = probe_interval_s
+        self.kind = kind
+        self._probes: dict[int, asyncio.Task[None]] = {}
+
+    def url(self, rank: int) -> str:
+        return self.engines[rank].url
+
+    def any_up(self) -> bool:
+        return any(self.up)
+
+    def mark_down(self, rank: int, reason: str) -> None:
+        engine = self.engines[rank]
+        engine.failures += 1
+        engine.last_error = reason
+        self.metrics.engine_errors.labels(f"{self.kind}{rank}", reason.split(":")[0]).inc()
+        if not engine.up:
+            return
+        engine.up = False
+        self.up[rank] = False
+        log.warning("%s rank %d (%s) marked down: %s", self.kind, rank, engine.url, reason)
+        self._probes[rank] = asyncio.ensure_future(self._probe(rank))
+
+    async def _probe(self, rank: int) -> None:
+        engine = self.engines[rank]
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            try:
+                response = await self.http.get(f"{engine.url}/v1/models", timeout=2.0)
+            except httpx.HTTPError:
+                continue
+            if response.status_code == 200:
+                engine.up = True
+                self.up[rank] = True
+                self._probes.pop(rank, None)
+                log.warning("%s rank %d (%s) is back", self.kind, rank, engine.url)
+                self.on_up()
+                return
+
+    async def reconcile_loop(self, client: RouterClient, pending: PendingPool,
+                             interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.reconcile(client, pending)
+
+    async def reconcile(self, client: RouterClient, pending: PendingPool) -> None:
+        for engine in self.engines:
+            if self.kind == "decode":
+                ghosts = client.reconcile(engine.index, pending.live_on(engine.index),
+                                          time.monotonic())
+                if ghosts:
+                    log.warning("rank %d: %d ghost requests dropped", engine.index,
+                                len(ghosts))
+                    self.metrics.ghosts.inc(len(ghosts))
+                    self.on_up()  # slots freed
+            if not engine.up:
+                continue
+            try:
+                response = await self.http.get(f"{engine.url}/metrics", timeout=2.0)
+            except httpx.HTTPError as exc:
+                self.mark_down(engine.index, f"metrics: {type(exc).__name__}")
+                continue
+            if response.status_code == 200:
+                engine.engine_requests = engine_requests(response.text)
+                self.metrics.engine_running.labels(f"{self.kind}{engine.index}").set(
+                    engine.engine_requests)
+
+    def close(self) -> None:
+        for task in self._probes.values():
+            task.cancel()

@@ -1,0 +1,59 @@
+"""Prompt token counts without a tokenizer.
+
+The proxy needs ``s_i`` (the KV tokens a request adds to a rank) before the engine has seen the
+request. Exact when the request carries token ids (``prompt`` as a list of ints, as
+``vllm bench serve`` sends with ``--tokenize-on-client``, or a list of such lists); otherwise
+estimated as ``ceil(chars / 4)`` (about four characters per token for English BPE
+vocabularies), plus ``CHAT_OVERHEAD_PER_MESSAGE`` tokens per chat message for the template.
+With prefill instances (``--prefill``) the proxy uses the prefill engine's exact count instead.
+The emulator uses the same rules, so proxy and emulator agree.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+CHARS_PER_TOKEN = 4
+CHAT_OVERHEAD_PER_MESSAGE = 4
+
+
+def _text_tokens(text: str) -> int:
+    return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+
+def _content_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):  # content parts: [{"type": "text", "text": ...}, ...]
+        return sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return 0
+
+
+def prompt_tokens(body: dict[str, Any]) -> int:
+    """``s_i`` for a completions or chat body (at least 1)."""
+    if "messages" in body:
+        messages = body.get("messages") or []
+        chars = sum(_content_chars(m.get("content")) for m in messages if isinstance(m, dict))
+        return max(1, math.ceil(chars / CHARS_PER_TOKEN)
+                   + CHAT_OVERHEAD_PER_MESSAGE * len(messages))
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, str):
+        return max(1, _text_tokens(prompt))
+    if isinstance(prompt, list):
+        if not prompt or isinstance(prompt[0], int):  # token ids (not checked one by one)
+            return max(1, len(prompt))
+        total = 0
+        for item in prompt:
+            if isinstance(item, str):
+                total += _text_tokens(item)
+            elif isinstance(item, list):
+                total += len(item)
+        return max(1, total)
+    return 1
+
+
+def max_tokens(body: dict[str, Any], default: int = 256) -> int:
+    """The requested output cap (``max_completion_tokens`` wins for chat, as in OpenAI's API)."""
+    value = body.get("max_completion_tokens") or body.get("max_tokens")
+    return int(value) if isinstance(value, int) and value > 0 else default

@@ -1,0 +1,138 @@
+"""Real processes on 127.0.0.1: emulators and proxies started with the CLI, stopped by pid."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+START_TIMEOUT_S = 30.0
+
+
+def free_ports(count: int) -> int:
+    """A base port with ``count`` consecutive free ports after it."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - count)
+        sockets = []
+        try:
+            for offset in range(count):
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", base + offset))
+                sockets.append(sock)
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
+@dataclass
+class Process:
+    args: list[str]
+    url: str
+    log: str
+    popen: subprocess.Popen | None = None
+
+    def start(self, ready_path: str) -> Process:
+        with open(self.log, "ab") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "predictor.cli", *self.args],
+                stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.args[0]} exited: {open(self.log).read()[-2000:]}")
+            try:
+                if httpx.get(self.url + ready_path, timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.args[0]} did not start: {open(self.log).read()[-2000:]}")
+
+    def kill(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=10)
+
+
+@dataclass
+class Launcher:
+    tmp: str
+    started: list[Process] = field(default_factory=list)
+
+    def emulator(self, workers: int, batch: int = 8, time_scale: float = 1.0,
+                 step_cost: str = "1e-6,0.002", port: int | None = None,
+                 extra: tuple[str, ...] = ()) -> Process:
+        base = port if port is not None else free_ports(workers)
+        process = Process(["emulate", "--workers", str(workers), "--port", str(base),
+                           "--batch", str(batch), "--time-scale", str(time_scale),
+                           "--step-cost", step_cost, *extra],
+                          f"http://127.0.0.1:{base}", f"{self.tmp}/emulator-{base}.log")
+        self.started.append(process)
+        return process.start("/health")
+
+    def proxy(self, decode: list[str], policy: str = "br0", batch: int = 8,
+              extra: tuple[str, ...] = ()) -> Process:
+        port = free_ports(1)
+        process = Process(["proxy", "--decode", ",".join(decode), "--port", str(port),
+                           "--policy", policy, "--batch", str(batch), *extra],
+                          f"http://127.0.0.1:{port}", f"{self.tmp}/proxy-{port}.log")
+        self.started.append(process)
+        return process.start("/healthz")
+
+    def stop_all(self) -> None:
+        for process in self.started:
+            process.stop()
+
+
+@pytest.fixture
+def launcher(tmp_path) -> Iterator[Launcher]:
+    launch = Launcher(str(tmp_path))
+    try:
+        yield launch
+    finally:
+        launch.stop_all()
+
+
+def rank_urls(emulator: Process, workers: int) -> list[str]:
+    base = int(emulator.url.rsplit(":", 1)[1])
+    return [f"http://127.0.0.1:{base + g}" for g in range(workers)]
+
+
+def proxy_state(proxy: Process) -> dict:
+    return httpx.get(proxy.url + "/proxy/state", timeout=5.0).json()
+
+
+def assert_quiescent(proxy: Process, timeout_s: float = 10.0) -> dict:
+    """Mirrored-state invariants hold and, once traffic stops, every slot is free."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = proxy_state(proxy)
+        assert state["invariants"] == "ok", state
+        if state["active"] == 0 and state["pool"] == 0 and state["pending"] == 0:
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"slots still taken after {timeout_s}s: {state}")
+        time.sleep(0.1)

@@ -1,0 +1,160 @@
+"""The official openai client through the proxy to the emulator, streaming and not."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from .conftest import Launcher, assert_quiescent, proxy_state, rank_urls
+
+G, B = 2, 2
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    launch = Launcher(str(tmp_path_factory.mktemp("e2e")))
+    try:
+        emulator = launch.emulator(workers=G, batch=B, time_scale=20.0)
+        proxy = launch.proxy(rank_urls(emulator, G), policy="br0", batch=B)
+        yield emulator, proxy
+    finally:
+        launch.stop_all()
+
+
+@pytest.fixture(autouse=True)
+def invariants(fleet):
+    yield
+    assert_quiescent(fleet[1])
+
+
+def client_of(proxy) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=30.0)
+
+
+@pytest.mark.timeout(60)
+def test_completions_streaming_and_not(fleet):
+    client = client_of(fleet[1])
+    chunks = list(client.completions.create(
+        model="m", prompt=[5] * 300, max_tokens=12, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) == 12
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == 300
+    # without include_usage the client gets no usage chunk (the proxy asked for one upstream)
+    plain = list(client.completions.create(model="m", prompt="abc", max_tokens=3, stream=True,
+                                           extra_body={"ignore_eos": True}))
+    assert all(c.usage is None for c in plain) and len(plain) == 3
+    whole = client.completions.create(model="m", prompt="hello there", max_tokens=9,
+                                      extra_body={"ignore_eos": True})
+    assert whole.usage.completion_tokens == 9
+    assert whole.choices[0].text == " tok" * 9
+    assert whole.choices[0].finish_reason == "length"
+
+
+@pytest.mark.timeout(60)
+def test_chat_streaming_and_not(fleet):
+    client = client_of(fleet[1])
+    messages = [{"role": "user", "content": "hi " * 100}]
+    chunks = list(client.chat.completions.create(
+        model="m", messages=messages, max_tokens=8, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == " tok" * 8
+    assert chunks[-1].usage.completion_tokens == 8
+    whole = client.chat.completions.create(model="m", messages=messages, max_tokens=5,
+                                           extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.content == " tok" * 5
+    assert whole.usage.completion_tokens == 5
+
+
+@pytest.mark.timeout(60)
+def test_tool_calls_end_the_request_normally(fleet):
+    client = client_of(fleet[1])
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    whole = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}], tools=tools,
+        tool_choice="required", max_tokens=6, extra_body={"ignore_eos": True})
+    call = whole.choices[0].message.tool_calls[0]
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "lookup"
+    assert json.loads(call.function.arguments) == {"value": "xxxx"}
+    chunks = list(client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}], tools=tools,
+        tool_choice="required", max_tokens=6, stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    before = proxy_state(fleet[1])["counters"]
+    assert before["finished"] >= 2
+
+
+@pytest.mark.timeout(60)
+def test_models_health_and_metrics(fleet):
+    client = client_of(fleet[1])
+    assert [m.id for m in client.models.list()] == ["balanceroute-emulated"]
+    assert httpx.get(fleet[1].url + "/healthz").status_code == 200
+    assert httpx.get(fleet[1].url + "/readyz").json()["ready"] is True
+    client.completions.create(model="m", prompt="x", max_tokens=2)
+    text = httpx.get(fleet[1].url + "/metrics").text
+    for name in ("balanceroute_proxy_rank_kv_tokens", "balanceroute_proxy_rank_active",
+                 "balanceroute_proxy_imbalance_total_tokens", "balanceroute_proxy_pool_depth",
+                 "balanceroute_proxy_pool_wait_seconds_bucket",
+                 "balanceroute_proxy_router_seconds_bucket",
+                 "balanceroute_proxy_pool_expired_total",
+                 "balanceroute_proxy_guard_admissions_total",
+                 "balanceroute_router_brh_active"):
+        assert name in text, name
+
+
+def _long_stream(client: httpx.Client, proxy_url: str):
+    body = {"model": "m", "prompt": [1] * 20, "max_tokens": 100_000, "ignore_eos": True,
+            "stream": True}
+    stream = client.stream("POST", proxy_url + "/v1/completions", json=body)
+    response = stream.__enter__()
+    reader = response.iter_raw()
+    next(reader)
+    return stream, reader
+
+
+def _emulated_totals(emulator) -> dict:
+    ranks = httpx.get(emulator.url + "/emulator/stats").json()["ranks"]
+    return {key: sum(r[key] for r in ranks) for key in ("active", "waiting", "cancelled")}
+
+
+@pytest.mark.timeout(60)
+def test_client_disconnect_mid_stream_frees_the_slot_upstream_too(fleet):
+    emulator, proxy = fleet
+    cancelled = _emulated_totals(emulator)["cancelled"]
+    with httpx.Client(timeout=10.0) as client:
+        stream, reader = _long_stream(client, proxy.url)
+        assert sum(proxy_state(proxy)["per_rank"]) == 1
+        stream.__exit__(None, None, None)
+    state = assert_quiescent(proxy)
+    assert state["counters"]["cancelled"] >= 1
+    deadline = time.monotonic() + 10
+    while _emulated_totals(emulator)["cancelled"] == cancelled:
+        assert time.monotonic() < deadline, "the engine never saw the cancellation"
+        time.sleep(0.05)
+    assert _emulated_totals(emulator)["active"] == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("streaming", [False, True])
+def test_client_disconnect_in_the_pool_frees_it(fleet, streaming):
+    emulator, proxy = fleet
+    with httpx.Client(timeout=10.0) as client:
+        held = [_long_stream(client, proxy.url) for _ in range(G * B)]  # every slot taken
+        assert proxy_state(proxy)["per_rank"] == [B] * G
+        body = {"model": "m", "prompt": "waiting", "max_tokens": 4, "stream": streaming}
+        with pytest.raises(httpx.ReadTimeout):
+            with httpx.Client(timeout=httpx.Timeout(10.0, read=1.0)) as impatient:
+                impatient.post(proxy.url + "/v1/completions", json=body)
+        deadline = time.monotonic() + 10
+        while (state := proxy_state(proxy))["pool"] or state["pending"] != G * B:
+            assert time.monotonic() < deadline, state
+            time.sleep(0.05)
+        assert state["invariants"] == "ok" and state["per_rank"] == [B] * G
+        for stream, _ in held:
+            stream.__exit__(None, None, None)

@@ -72,7 +72,7 @@ def http_predictor_factory(url: str, run_tag: str, timeout_s: float = 0.5,
         if not policy.startswith("brh-") or policy == "brh-oracle":
             return make_predictor(policy, trace)
         return HttpPredictor(url, estimator_key(policy), timeout_s=timeout_s, token=token,
-                             id_prefix=f"{run_tag}-{next(counter)}-{policy}-")
+                             id_prefix=f"{run_tag}-{next(counter)}-{policy}-", report="sync")
 
     return factory
 

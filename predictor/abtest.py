@@ -87,7 +87,7 @@ def http_predictor_factory(url: str, run_tag: str, timeout_s: float = 0.5,
         if policy == ORACLE_POLICY or spec_for_policy(policy) is None:
             return make_predictor(policy, trace)
         return HttpPredictor(url, estimator_name(policy), timeout_s=timeout_s, token=token,
-                             id_prefix=f"{run_tag}-{next(counter)}-{policy}-")
+                             id_prefix=f"{run_tag}-{next(counter)}-{policy}-", report="sync")
 
     return factory
 

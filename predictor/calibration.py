@@ -15,16 +15,15 @@ is known not to have ended within H. Scored predictions live in columnar ring bu
 
 Drift: two streaming detectors of our own (:class:`WindowShiftDetector`), one on the output
 length of every observation (two-sample Kolmogorov-Smirnov distance between the most recent 300
-and the 3000 before them, checked every 50, flagged at a distance of 0.2 or more) and one on
-the Brier loss of the answers routers actually get (the ``auto`` rule, one value per finished
-request; flagged when the recent mean loss exceeds the reference by 0.05 or more). Why not a
-library detector: river's ADWIN and Page-Hinkley flag *any* statistically detectable change,
-and on real traffic (the Azure 2023 trace, ShareGPT) that meant dozens of alarms for the
-ordinary ebb and flow of the mix, each of which would have cost the router its predictions; a
-minimum effect size keeps the alarms to changes that matter for prediction (a 0.2 KS distance
-is roughly the median output moving by half an interquartile range). Neither raised an alarm on
-50,000 stationary ``synth:long`` lengths; the ``synth:shift`` change (mean output x4) is
-flagged within 350 observations (a recent window plus one check interval).
+and up to 3000 before them, tested from a reference of 300, every 50) and one on the Brier loss
+of the answers routers actually get (the ``auto`` rule, one value per finished request; the
+rise of the recent mean over the reference). A detection needs both a minimum effect and
+significance at the two sample sizes. Why not a library detector: river's ADWIN and
+Page-Hinkley flag *any* statistically detectable change, and on real traffic (the Azure 2023
+trace, ShareGPT) that meant dozens of alarms for the ordinary ebb and flow of the mix, each of
+which would have cost the router its predictions; a minimum effect keeps the alarms to changes
+that matter for prediction. The length detector also guards against completion order (see the
+class). Figures are in the README and pinned by the tests.
 Hysteresis: a stream stays drifted until ``clear_after`` further samples pass with no new
 detection (default 5000, the learners' history window: by then they have re-learned the new
 workload), so the flag does not flap.
@@ -32,8 +31,10 @@ workload), so the flag does not flap.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 import xxhash
@@ -168,19 +169,61 @@ def summarize(p: np.ndarray, y: np.ndarray, c: np.ndarray, realized: np.ndarray,
     }
 
 
+def ks_critical(n: int, m: int, alpha: float) -> float:
+    """Two-sample Kolmogorov-Smirnov critical distance at level ``alpha`` (asymptotic):
+    ``c(alpha) * sqrt((n + m) / (n * m))`` with ``c(alpha) = sqrt(-ln(alpha / 2) / 2)``."""
+    return math.sqrt(-math.log(alpha / 2) / 2) * math.sqrt((n + m) / (n * m))
+
+
+def ks_distance(a: np.ndarray, b: np.ndarray) -> float:
+    a = np.sort(a)
+    b = np.sort(b)
+    grid = np.concatenate([a, b])
+    gap = (np.searchsorted(a, grid, side="right") / a.size
+           - np.searchsorted(b, grid, side="right") / b.size)
+    return float(np.abs(gap).max())
+
+
+def rank_trend(x: np.ndarray) -> float:
+    """Spearman correlation between position and value (0 for exchangeable samples)."""
+    if x.size < 3:
+        return 0.0
+    ranks = np.argsort(np.argsort(x, kind="stable"), kind="stable").astype(np.float64)
+    position = np.arange(x.size, dtype=np.float64)
+    if ranks.std() == 0:
+        return 0.0
+    return float(np.corrcoef(position, ranks)[0, 1])
+
+
 class WindowShiftDetector:
     """Compares the most recent ``recent`` samples with the ``reference`` before them.
 
-    Every ``check_every`` samples, once both windows are full: ``statistic="ks"`` takes the
-    two-sample Kolmogorov-Smirnov distance (scale-free, robust to skewed and heavy-tailed
-    lengths), ``statistic="mean_increase"`` the rise of the recent mean over the reference
-    mean. A value of at least ``min_effect`` is a detection; both windows are then emptied, so
-    the new regime becomes the next reference. River-style: ``update(x) -> self`` and a
-    read-only ``drift_detected``.
+    The reference slides behind the recent window and holds up to ``reference`` samples; it is
+    tested from ``min_reference`` samples on (default 300), every ``check_every`` samples.
+    ``statistic="ks"``: the two-sample Kolmogorov-Smirnov distance (scale-free, robust to
+    skewed and heavy-tailed lengths); ``statistic="mean_increase"``: the rise of the recent
+    mean over the reference mean. A check is significant when the effect reaches both
+    ``min_effect`` (the change that matters) and what chance allows at these two sample sizes
+    (the KS critical value ``c(alpha) * sqrt((n + m) / (n * m))``; for means, ``z(alpha)``
+    standard errors), so a small young reference is usable without false alarms.
+
+    Completion order is not arrival order: as a replay (or a cold fleet) starts, the short
+    requests finish first, and as it drains the longest finish last. Three guards compare like
+    with like: the first ``warmup`` samples never enter the reference; a recent window with a
+    rank trend (``|Spearman| > trend_z / sqrt(recent)``, as in a drain, where the lower bound
+    of the lengths still finishing rises step by step) is not tested; and a detection must
+    persist, with the same sign, over ``confirm`` further samples. A drift that settles passes
+    all three within ``recent + confirm`` samples of the change.
+
+    After a detection nothing is cleared: the detector stays armed (each further significant
+    check is another detection, until the reference has caught up with the new regime).
+    River-style: ``update(x) -> self`` and a read-only ``drift_detected``.
     """
 
     def __init__(self, statistic: str = "ks", reference: int = 3000, recent: int = 300,
-                 check_every: int = 50, min_effect: float = 0.2) -> None:
+                 check_every: int = 50, min_effect: float = 0.2, min_reference: int = 300,
+                 alpha: float = 1e-6, warmup: int = 0, confirm: int = 0,
+                 trend_z: float | None = None) -> None:
         if statistic not in ("ks", "mean_increase"):
             raise ValueError("statistic must be 'ks' or 'mean_increase'")
         self.statistic = statistic
@@ -188,8 +231,17 @@ class WindowShiftDetector:
         self.recent: deque[float] = deque(maxlen=recent)
         self.check_every = check_every
         self.min_effect = min_effect
+        self.min_reference = min(min_reference, reference)
+        self.alpha = alpha
+        self.z = float(NormalDist().inv_cdf(1 - alpha))
+        self.warmup = warmup
+        self.confirm = confirm
+        self.trend_z = trend_z
         self.samples = 0
         self.last_effect = 0.0
+        self.last_threshold = 0.0
+        self.blocked = 0  # significant checks not counted (trend in the recent window)
+        self._candidate: tuple[int, int] | None = None  # (sample, sign) of a pending detection
         self._detected = False
 
     @property
@@ -199,29 +251,42 @@ class WindowShiftDetector:
     def update(self, value: float) -> WindowShiftDetector:
         self.samples += 1
         if len(self.recent) == self.recent.maxlen:
-            self.reference.append(self.recent.popleft())
+            leaving = self.recent.popleft()
+            if self.samples > self.warmup + len(self.recent) + 1:
+                self.reference.append(leaving)
         self.recent.append(value)
         self._detected = False
-        full = len(self.reference) == self.reference.maxlen
-        if full and self.samples % self.check_every == 0:
-            self.last_effect = self._effect()
-            if self.last_effect >= self.min_effect:
-                self._detected = True
-                self.reference.clear()
-                self.recent.clear()
+        ready = (len(self.reference) >= self.min_reference
+                 and len(self.recent) == self.recent.maxlen)
+        if ready and self.samples % self.check_every == 0:
+            self._detected = self._check()
         return self
 
-    def _effect(self) -> float:
+    def _check(self) -> bool:
         old = np.fromiter(self.reference, dtype=np.float64)
         new = np.fromiter(self.recent, dtype=np.float64)
+        effect, sign, threshold = self._effect(old, new)
+        self.last_effect, self.last_threshold = effect, threshold
+        if effect < threshold:
+            self._candidate = None
+            return False
+        if self.trend_z is not None and abs(rank_trend(new)) > self.trend_z / math.sqrt(new.size):
+            self.blocked += 1
+            self._candidate = None
+            return False
+        if self._candidate is None or self._candidate[1] != sign:
+            self._candidate = (self.samples, sign)
+        return self.samples - self._candidate[0] >= self.confirm
+
+    def _effect(self, old: np.ndarray, new: np.ndarray) -> tuple[float, int, float]:
+        """(effect, its sign, the threshold it must reach)."""
         if self.statistic == "mean_increase":
-            return float(new.mean() - old.mean())
-        old.sort()
-        new.sort()
-        grid = np.concatenate([old, new])
-        gap = (np.searchsorted(old, grid, side="right") / old.size
-               - np.searchsorted(new, grid, side="right") / new.size)
-        return float(np.abs(gap).max())
+            rise = float(new.mean() - old.mean())
+            error = math.sqrt(old.var(ddof=1) / old.size + new.var(ddof=1) / new.size)
+            return rise, 1, max(self.min_effect, self.z * error)
+        distance = ks_distance(old, new)
+        sign = 1 if float(np.median(new)) >= float(np.median(old)) else -1
+        return distance, sign, max(self.min_effect, ks_critical(old.size, new.size, self.alpha))
 
 
 @dataclass
@@ -261,14 +326,20 @@ class StreamState:
 class DriftMonitor:
     """Output-length and calibration-loss drift, with hysteresis."""
 
-    def __init__(self, length_effect: float = 0.2, loss_effect: float = 0.05,
-                 clear_after: int = 5000, reference: int = 3000, recent: int = 300) -> None:
+    def __init__(self, length_effect: float = 0.3, loss_effect: float = 0.05,
+                 clear_after: int = 5000, reference: int = 3000, recent: int = 300,
+                 min_reference: int = 300, warmup: int = 500, confirm: int = 100,
+                 trend_z: float = 4.0) -> None:
         self.length = StreamState(
             "ks:output_length",
-            WindowShiftDetector("ks", reference, recent, min_effect=length_effect), clear_after)
+            WindowShiftDetector("ks", reference, recent, min_effect=length_effect,
+                                min_reference=min_reference, warmup=warmup, confirm=confirm,
+                                trend_z=trend_z),
+            clear_after)
         self.loss = StreamState(
             "mean_increase:brier_loss",
-            WindowShiftDetector("mean_increase", reference, recent, min_effect=loss_effect),
+            WindowShiftDetector("mean_increase", reference, recent, min_effect=loss_effect,
+                                min_reference=min_reference),
             clear_after)
 
     def update_length(self, output_tokens: int, when: str | None = None) -> bool:

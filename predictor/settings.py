@@ -40,6 +40,6 @@ class Settings(BaseSettings):
     calibration_sample_rate: float = Field(0.1, ge=0.0, le=1.0)
     calibration_max_pending: int = Field(200_000, ge=1)
     calibration_capacity: int = Field(200_000, ge=1)
-    drift_length_effect: float = Field(0.2, gt=0.0, le=1.0)
+    drift_length_effect: float = Field(0.3, gt=0.0, le=1.0)
     drift_loss_effect: float = Field(0.05, gt=0.0, le=1.0)
     drift_clear_after: int = Field(5000, ge=1)

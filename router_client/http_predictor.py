@@ -3,7 +3,19 @@
 One persistent httpx connection, a short timeout (``timeout_s``, default 0.5 s: a refresh
 that takes longer is worth less than BR-0 now). Any failure (timeout, connection refused, an
 error status, an answer that does not fit) yields ``Prediction(None)``: the router falls back
-to BR-0 and keeps routing. Finished requests go to an :class:`ObservationReporter`.
+to BR-0 and keeps routing.
+
+Finished requests go to an :class:`ObservationReporter` with its own connection, in one of
+two modes (``report``):
+
+- ``"background"`` (default, for a serving proxy): the reporter's thread, started at the first
+  finished request, posts them; ``predict`` and ``observe`` never wait on the network for it.
+- ``"sync"`` (for replays): ``predict`` first flushes what is due, on the caller's thread, so
+  that what the service has learned at each refresh, and so the run, is reproducible.
+  ``balanceroute ab --predictor-url`` uses it.
+
+``config_error`` is set when the service refuses the reports as misconfigured (401, 403, 404);
+:meth:`close` makes the final flush and returns what was delivered and dropped.
 
 Request ids are sent as ``id_prefix + str(request_id)``, so that several replays against one
 service do not collide on its idempotency key.
@@ -12,6 +24,7 @@ service do not collide on its idempotency key.
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 import httpx
 import numpy as np
@@ -26,19 +39,42 @@ log = logging.getLogger("balanceroute.router")
 class HttpPredictor:
     def __init__(self, base_url: str, estimator: str = "auto", timeout_s: float = 0.5,
                  token: str | None = None, id_prefix: str = "",
-                 flush_on_predict: bool = True) -> None:
+                 report: Literal["background", "sync"] = "background",
+                 flush_on_predict: bool | None = None, report_interval_s: float = 0.5,
+                 report_timeout_s: float | None = None) -> None:
+        """``flush_on_predict`` is the older spelling of the mode: True is ``"sync"``, False
+        ``"background"``. ``report_timeout_s`` bounds one report post (default: ``timeout_s``
+        in sync mode, where it is on the caller's path, else 5 s)."""
+        if flush_on_predict is not None:
+            report = "sync" if flush_on_predict else "background"
+        if report not in ("background", "sync"):
+            raise ValueError("report must be 'background' or 'sync'")
         self.name = f"http:{estimator}"
         self.estimator = estimator
         self.id_prefix = id_prefix
-        self.flush_on_predict = flush_on_predict
+        self.report = report
+        self.report_interval_s = report_interval_s
         self.client = httpx.Client(base_url=base_url, timeout=timeout_s)
-        self.reporter = ObservationReporter(self.client, token=token)
+        if report_timeout_s is None:
+            report_timeout_s = timeout_s if report == "sync" else max(timeout_s, 5.0)
+        self.report_client = httpx.Client(base_url=base_url, timeout=report_timeout_s)
+        self.reporter = ObservationReporter(self.report_client, token=token)
         self.failures = 0
         self.last_error: str | None = None
         self.drifted = False
+        self.closed = False
+
+    @property
+    def flush_on_predict(self) -> bool:
+        return self.report == "sync"
+
+    @property
+    def config_error(self) -> str | None:
+        """Set when the service refused the reports as misconfigured (401, 403, 404)."""
+        return self.reporter.config_error
 
     def predict(self, batch: ActiveBatch, horizon: int) -> Prediction:
-        if self.flush_on_predict:
+        if self.report == "sync":
             self.reporter.flush_due()
         items = [
             {"request_id": f"{self.id_prefix}{rid}", "prompt_key": key,
@@ -76,7 +112,15 @@ class HttpPredictor:
                                               finished.prompt_keys, finished.prompt_tokens,
                                               finished.output_tokens, reasons, strict=True)
         ])
+        if self.report == "background" and not self.closed and not self.reporter.running:
+            self.reporter.start(self.report_interval_s)
 
-    def close(self) -> None:
-        self.reporter.stop(final_flush=True)
+    def close(self) -> dict:
+        """Final flush of the outcomes still buffered; returns the reporter's counters."""
+        if self.closed:
+            return self.reporter.stats()
+        self.closed = True
+        stats = self.reporter.stop(final_flush=True)
         self.client.close()
+        self.report_client.close()
+        return stats

@@ -1,3 +1,4 @@
+
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
@@ -15,12 +16,31 @@ from predictor.calibration import (
     summarize,
 )
 from predictor.settings import Settings
+from router_client.policies import make_policy
+from router_client.simulator import SimConfig, simulate
 from router_client.synth import synthesize
+from router_client.traces import load_trace
 
-# Golden value: the observation index at which the length detector flags synth:shift
-# (n=20000, the distribution changes at index 10000). Pinned so a change of detector or
-# parameters is noticed.
-SHIFT_DETECTION_INDEX = 10099
+# Golden values: the observation index at which the length detector flags synth:shift
+# (n=20000, the distribution changes at index 10000), and a 6x rise of the median output after
+# 1,500 observations of a fresh service. Pinned so a change of detector or parameters is
+# noticed. Bound: a recent window (300) plus the confirmation (100) plus one check (50).
+SHIFT_DETECTION_INDEX = 10399
+YOUNG_SHIFT_DETECTION_INDEX = 1899
+DETECTION_BOUND = 450
+
+
+def six_fold(seed: int = 0, n: int = 6000):
+    """Lognormal outputs whose median rises 6x (about 165 to 1000) at observation 1500."""
+    return synthesize(f"synth:shift:n={n},before_mean=200,after_mean=1200,"
+                      f"shift_at={1500 / n},seed={seed}").output_tokens
+
+
+def completion_order(trace, **config):
+    """Output lengths in the order a replay (BR-0, G = 8, B = 64) finishes them."""
+    result = simulate(trace, make_policy("br0"), SimConfig(**config), None)
+    order = np.lexsort((np.arange(len(trace)), result.finish_step))
+    return trace.output_tokens[order]
 
 
 def test_stationary_stream_raises_no_drift():
@@ -46,10 +66,54 @@ def test_shift_is_flagged_within_a_bounded_number_of_observations():
     fired = [i for i, o in enumerate(outputs) if monitor.update_length(int(o))]
     assert fired, "the shift was not detected"
     assert all(i >= 10000 for i in fired), "a false alarm before the shift"
-    assert fired[0] - 10000 <= 350  # documented bound: a recent window plus one check
+    assert fired[0] - 10000 <= DETECTION_BOUND
     assert fired[0] == SHIFT_DETECTION_INDEX
-    assert monitor.length.last_detection == SHIFT_DETECTION_INDEX
-    assert not monitor.drifted  # 5000 quiet observations later the flag has cleared
+    # armed after the alarm: it keeps detecting until the reference has caught up ...
+    assert monitor.length.last_detection == 12099
+    assert not monitor.drifted  # ... and 5000 quiet observations later the flag has cleared
+
+
+def test_a_young_service_sees_a_sixfold_shift():
+    """Issue 12: a median output rising 6x after 1,500 observations of a fresh service was
+    never flagged (the old detectors needed 3,300 samples first)."""
+    for seed in range(3):
+        outputs = six_fold(seed)
+        assert np.median(outputs[1500:]) > 5.5 * np.median(outputs[:1500])
+        monitor = DriftMonitor()
+        fired = [i for i, o in enumerate(outputs) if monitor.update_length(int(o))]
+        assert fired and fired[0] >= 1500, "a false alarm before the shift"
+        assert fired[0] - 1500 <= DETECTION_BOUND < 500
+        if seed == 0:
+            assert fired[0] == YOUNG_SHIFT_DETECTION_INDEX
+        assert monitor.drifted
+
+
+def test_the_detector_stays_armed_after_an_alarm():
+    """Up 6x at 1500, back down at 3000: the second change is seen as quickly as the first
+    (the old detectors cleared both windows and were blind for 3,300 samples)."""
+    outputs = six_fold(0)
+    stream = np.concatenate([outputs[:3000], outputs[:1500]])
+    monitor = DriftMonitor()
+    fired = [i for i, o in enumerate(stream) if monitor.update_length(int(o))]
+    assert fired[0] == YOUNG_SHIFT_DETECTION_INDEX
+    back = [i for i in fired if i >= 3000]
+    assert back and back[0] - 3000 <= DETECTION_BOUND
+    assert back[0] == 3399
+
+
+@pytest.mark.parametrize("requests", [4000, None])
+def test_no_alarm_on_the_azure_trace_in_completion_order(requests, shared_traces):
+    """The real Azure 2023 trace, fed as a replay finishes it (the short requests first as
+    it fills, the longest last as it drains): its ordinary mix changes and the drain raise
+    no alarm (``make demo`` replays its first 4000 requests; it used to end in an alarm)."""
+    trace = load_trace(str(shared_traces / "AzureLLMInferenceTrace_conv.csv"))
+    if requests:
+        trace = trace.head(requests)
+    monitor = DriftMonitor()
+    outputs = completion_order(trace, workers=8, batch=64, load=1.0)
+    fired = [i for i, o in enumerate(outputs) if monitor.update_length(int(o))]
+    assert fired == []
+    assert monitor.length.detector.blocked >= 1  # the drain was seen, and not taken for drift
 
 
 def test_hysteresis_holds_the_flag_then_clears_without_flapping():
@@ -222,5 +286,9 @@ def test_window_detector_statistics():
     values = np.concatenate([rng.random(1000) * 0.1, rng.random(1000) * 0.4])
     hits = [i for i, x in enumerate(values) if rising.update(float(x)).drift_detected]
     assert hits and 1000 <= hits[0] <= 1100
+    # a small reference is tested, with a threshold that accounts for both sample sizes
+    small = WindowShiftDetector("ks", reference=3000, recent=300, min_effect=0.01)
+    assert not any(small.update(float(x)).drift_detected for x in rng.normal(size=5000))
+    assert small.last_threshold > 0.15  # the KS critical value at n = 3000, m = 300 rules
     with pytest.raises(ValueError):
         WindowShiftDetector("median")

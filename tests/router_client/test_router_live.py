@@ -40,7 +40,7 @@ def test_service_learns_from_the_run_and_changes_brh_decisions(tmp_path):
     trace = synthesize("synth:templated:n=1500,templates=6,seed=1")
     config = SimConfig(workers=4, batch=16, load=1.0, horizon=40, refresh_steps=10)
     with live_server(f"sqlite:///{tmp_path / 'learn.db'}") as url:
-        predictor = Recording(url, "auto")
+        predictor = Recording(url, "auto", report="sync")  # a replay: reproducible
         live = simulate(trace, make_policy("brh-exactmatch"), config, predictor)
         predictor.close()
         status = httpx.get(url + "/v1/status").json()
@@ -64,7 +64,7 @@ def test_outage_falls_back_within_one_refresh_and_returns_after_restart(tmp_path
     with ExitStack() as stack:
         server = live_server(database, port=port)
         url = server.__enter__()
-        predictor = HttpPredictor(url, "survival", timeout_s=0.5)
+        predictor = HttpPredictor(url, "survival", timeout_s=0.5, report="sync")
 
         def hook(step):
             nonlocal server
@@ -98,7 +98,7 @@ def test_shift_raises_drift_and_triggers_fallback(tmp_path):
     config = SimConfig(workers=4, batch=32, load="backlog", horizon=40, refresh_steps=10)
     env = {"BALANCEROUTE_CALIBRATION_SAMPLE_RATE": "0.2"}
     with live_server(f"sqlite:///{tmp_path / 'drift.db'}", env=env) as url:
-        predictor = HttpPredictor(url, "auto")
+        predictor = HttpPredictor(url, "auto", report="sync")
         result = simulate(trace, make_policy("brh-survival"), config, predictor)
         predictor.close()
         drift = httpx.get(url + "/v1/calibration").json()["drift"]

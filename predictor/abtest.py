@@ -86,9 +86,14 @@ def http_predictor_factory(url: str, run_tag: str, timeout_s: float = 0.5,
     def factory(policy: str, trace: Trace) -> Predictor | None:
         if policy == ORACLE_POLICY or spec_for_policy(policy) is None:
             return make_predictor(policy, trace)
-        return HttpPredictor(url, estimator_name(policy), timeout_s=timeout_s, token=token,
-                             id_prefix=f"{run_tag}-{next(counter)}-{policy}-", report="sync")
+        predictor = HttpPredictor(url, estimator_name(policy), timeout_s=timeout_s, token=token,
+                                  id_prefix=f"{run_tag}-{next(counter)}-{policy}-",
+                                  report="sync")
+        created.append(predictor)
+        return predictor
 
+    created: list = []
+    factory.created = created  # type: ignore[attr-defined]  # the caller checks config_error
     return factory
 
 

@@ -210,6 +210,11 @@ def cmd_ab(args: argparse.Namespace) -> int:
     print(abtest.format_table(comparison.rows))
     if args.predictor_url:
         print(f"BR-H predictions from {args.predictor_url}")
+        refused = {p.config_error for p in getattr(factory, "created", []) if p.config_error}
+        if refused:  # the service taught nothing: say so, and fail the command
+            print(f"error: the service refused the outcomes: {'; '.join(sorted(refused))}",
+                  file=sys.stderr)
+            return 2
     for (g, name), events in comparison.switches.items():
         shown = ", ".join(f"step {s.step}: to {s.to.upper()} ({s.reason})" for s in events[:8])
         more = f" (+{len(events) - 8} more)" if len(events) > 8 else ""

@@ -61,14 +61,18 @@ class ScoredPrediction(Base):
 
 
 class AbJob(Base):
-    """A simulated A/B comparison started over REST (``POST /v1/ab-comparisons``).
+    """A background job started over REST: a simulated A/B comparison (``kind = "ab"``,
+    ``POST /v1/ab-comparisons``) or a tuning (``kind = "tuning"``, ``POST /v1/tunings``).
 
-    ``request`` holds the validated request (JSON); ``results`` the CLI-shaped rows (JSON).
+    ``request`` holds the validated request (JSON) without a trace's content; ``results`` the
+    CLI-shaped rows (JSON; for a tuning, the ranked rows and the recommendation).
     """
 
     __tablename__ = "ab_jobs"
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), nullable=False, default="ab",
+                                      server_default="ab")
     status: Mapped[str] = mapped_column(String(16), nullable=False)
     progress: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
     request: Mapped[str] = mapped_column(Text, nullable=False)
@@ -76,3 +80,5 @@ class AbJob(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+    __table_args__ = (Index("ix_ab_jobs_kind_status", "kind", "status"),)

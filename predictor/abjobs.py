@@ -1,26 +1,36 @@
-"""A/B comparisons as background jobs of the service (``/v1/ab-comparisons``).
+"""Background jobs of the service: A/B comparisons (``/v1/ab-comparisons``) and tunings
+(``/v1/tunings``).
 
 Jobs run one at a time on a worker thread (a replay is CPU-bound; two at once would only share
-the cores) with the same composition as ``balanceroute ab``: the same data, parameters and
-seed give the same rows. Jobs and their results are rows of ``ab_jobs``; a job that was queued
-or running when the process stopped is marked failed ("interrupted") at the next start.
+the cores) with the same composition as ``balanceroute ab`` and ``balanceroute tune``: the same
+data, parameters and seed give the same rows. Jobs and their results are rows of ``ab_jobs``
+(``kind`` tells them apart); a trace given in the request is kept in memory for the job only
+and never stored or returned. A job that was queued or running when the process stopped is
+marked failed ("interrupted") at the next start. ``cancel`` stops a queued job before it
+starts and a running one at its next progress report (status ``cancelled``).
+
+A done tuning's recommendation becomes the service's (``on_tuned``), and the newest one is
+read back at start (:meth:`latest_recommendation`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import numpy as np
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import AbJob, Observation
 from router_client.admission import BalanceRouteParams
-from router_client.errors import TraceError
+from router_client.errors import BalanceRouteError, TraceError
 from router_client.simulator import DEFAULT_STEP_COST, SimConfig
 from router_client.traces import Trace
 
@@ -28,22 +38,36 @@ from . import abtest
 
 log = logging.getLogger("balanceroute.ab")
 
+ACTIVE = ("queued", "running")
 
-def trace_from_observations(session: Session, requests: int | None) -> Trace:
+
+class JobCancelled(BalanceRouteError):
+    """Raised inside a job's progress callback once the job is cancelled."""
+
+
+class TooManyJobs(BalanceRouteError):
+    """The queue of jobs is full."""
+
+
+def trace_from_observations(session: Session, requests: int | None,
+                            recent: bool = False) -> Trace:
     """The service's stored observations as a trace: arrivals in completion order; an unknown
-    prompt length is replayed as the median of the known ones."""
+    prompt length is replayed as the median of the known ones. ``recent``: the latest
+    ``requests`` observations instead of the first."""
+    order = (Observation.completed_at.desc(), Observation.id.desc()) if recent else (
+        Observation.completed_at, Observation.id)
     query = (select(Observation.completed_at, Observation.prompt_tokens,
                     Observation.output_tokens, Observation.censored, Observation.prompt_key)
-             .where(Observation.output_tokens > 0)
-             .order_by(Observation.completed_at, Observation.id))
+             .where(Observation.output_tokens > 0).order_by(*order))
     if requests:
         query = query.limit(requests)
-    rows = session.execute(query).all()
+    rows = list(session.execute(query).all())
+    if recent:
+        rows.reverse()
     if not rows:
         raise TraceError("observations", "the service has no stored observations to replay")
     stamps = np.asarray([(r[0] if r[0].tzinfo else r[0].replace(tzinfo=UTC)).timestamp()
                          for r in rows])
-    # An observation reported without its prompt length replays with the median known one.
     known = [r[1] for r in rows if r[1] is not None]
     typical = int(np.median(known)) if known else 0
     prompts = np.asarray([typical if r[1] is None else r[1] for r in rows], dtype=np.int64)
@@ -53,39 +77,106 @@ def trace_from_observations(session: Session, requests: int | None) -> Trace:
                  stamps - stamps[0])
 
 
+def _config(request: dict) -> SimConfig:
+    return SimConfig(batch=request["batch"], load=request["load"],
+                     step_cost=tuple(request["step_cost"] or DEFAULT_STEP_COST),
+                     horizon=request.get("horizon") or 80,
+                     refresh_steps=request["refresh_steps"], seed=request["seed"])
+
+
+def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
+    comparison = abtest.run_comparison(
+        trace, request["policies"], request["workers"], _config(request), progress,
+        params=BalanceRouteParams(stage1=request["stage1"]))
+    return comparison.rows
+
+
+def run_tuning(request: dict, trace: Trace, progress) -> dict:
+    from .tuning import DEFAULT_GRID, parse_grid, tune
+
+    grid = parse_grid(request["grid"]) if request.get("grid") else DEFAULT_GRID
+    config = _config(request)
+    result = tune(trace, replace(config, workers=request["workers"][0]),
+                  estimator=request["estimator"], grid=grid, min_gain=request["min_gain"],
+                  progress=progress)
+    return result.as_dict()
+
+
 class AbJobRunner:
-    def __init__(self, sessions: sessionmaker) -> None:
+    def __init__(self, sessions: sessionmaker, max_queued: int = 8,
+                 on_tuned: Callable[[dict], None] | None = None) -> None:
         self.sessions = sessions
+        self.max_queued = max_queued
+        self.on_tuned = on_tuned
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ab-job")
+        self.cancelled: set[str] = set()
+        self.lock = threading.Lock()
 
     def recover(self) -> None:
         with self.sessions() as session:
-            session.execute(update(AbJob).where(AbJob.status.in_(("queued", "running")))
+            session.execute(update(AbJob).where(AbJob.status.in_(ACTIVE))
                             .values(status="failed", error="interrupted by a service restart",
                                     updated_at=datetime.now(UTC)))
             session.commit()
 
-    def submit(self, request: dict, trace: Trace | None = None) -> str:
+    def latest_recommendation(self) -> dict | None:
+        with self.sessions() as session:
+            results = session.scalar(
+                select(AbJob.results).where(AbJob.kind == "tuning", AbJob.status == "done")
+                .order_by(AbJob.updated_at.desc()).limit(1))
+        return json.loads(results)["recommendation"] if results else None
+
+    def submit(self, request: dict, trace: Trace | None = None, kind: str = "ab") -> str:
         """Queue a job. ``trace`` is the request's parsed trace (the caller parsed it to
         validate it); without one the job replays the stored observations."""
         job_id = uuid.uuid4().hex
         now = datetime.now(UTC)
-        with self.sessions() as session:
-            session.add(AbJob(id=job_id, status="queued", progress=0.0,
-                              request=json.dumps(request), created_at=now, updated_at=now))
+        stored = dict(request)
+        if stored.get("trace") is not None:  # never stored nor returned: the job has it
+            stored["trace"] = {"format": stored["trace"]["format"],
+                               "bytes": len(stored["trace"]["content"].encode())}
+        with self.lock, self.sessions() as session:
+            queued = session.scalar(select(func.count()).select_from(AbJob)
+                                    .where(AbJob.status.in_(ACTIVE))) or 0
+            if queued >= self.max_queued:
+                raise TooManyJobs(f"{queued} jobs queued or running; at most {self.max_queued}")
+            session.add(AbJob(id=job_id, kind=kind, status="queued", progress=0.0,
+                              request=json.dumps(stored), created_at=now, updated_at=now))
             session.commit()
-        self.executor.submit(self._run, job_id, request, trace)
+        self.executor.submit(self._run, job_id, kind, request, trace)
         return job_id
 
-    def get(self, job_id: str) -> dict | None:
+    def get(self, job_id: str, kind: str = "ab") -> dict | None:
         with self.sessions() as session:
             job = session.get(AbJob, job_id)
-            if job is None:
+            if job is None or job.kind != kind:
                 return None
-            return {"id": job.id, "status": job.status, "progress": job.progress,
-                    "results": json.loads(job.results) if job.results else [],
-                    "error": job.error, "created_at": job.created_at.isoformat(),
-                    "request": json.loads(job.request)}
+            return self._out(job, with_results=True)
+
+    def list(self, kind: str = "ab", limit: int = 100) -> list[dict]:
+        with self.sessions() as session:
+            jobs = session.scalars(select(AbJob).where(AbJob.kind == kind)
+                                   .order_by(AbJob.created_at.desc()).limit(limit))
+            return [self._out(job, with_results=False) for job in jobs]
+
+    def cancel(self, job_id: str, kind: str = "ab") -> dict | None:
+        with self.sessions() as session:
+            job = session.get(AbJob, job_id)
+            if job is None or job.kind != kind:
+                return None
+            if job.status in ACTIVE:
+                self.cancelled.add(job_id)
+                if job.status == "queued":
+                    self._set(job_id, status="cancelled")
+        return self.get(job_id, kind)
+
+    @staticmethod
+    def _out(job: AbJob, with_results: bool) -> dict:
+        results = json.loads(job.results) if (with_results and job.results) else None
+        return {"id": job.id, "status": job.status, "progress": job.progress,
+                "results": results if results is not None else [],
+                "error": job.error, "created_at": job.created_at.isoformat(),
+                "request": json.loads(job.request)}
 
     def _set(self, job_id: str, **values) -> None:
         with self.sessions() as session:
@@ -93,11 +184,15 @@ class AbJobRunner:
                             .values(updated_at=datetime.now(UTC), **values))
             session.commit()
 
-    def _run(self, job_id: str, request: dict, trace: Trace | None) -> None:
+    def _run(self, job_id: str, kind: str, request: dict, trace: Trace | None) -> None:
+        if job_id in self.cancelled:
+            return
         self._set(job_id, status="running")
         last = [0.0]
 
         def progress(fraction: float, label: str) -> None:
+            if job_id in self.cancelled:
+                raise JobCancelled(job_id)
             if fraction - last[0] >= 0.02 or fraction >= 1.0:
                 last[0] = fraction
                 self._set(job_id, progress=round(min(fraction, 1.0), 4))
@@ -105,19 +200,22 @@ class AbJobRunner:
         try:
             if trace is None:
                 with self.sessions() as session:
-                    trace = trace_from_observations(session, request["requests"])
-            config = SimConfig(batch=request["batch"], load=request["load"],
-                               step_cost=tuple(request["step_cost"] or DEFAULT_STEP_COST),
-                               horizon=request["horizon"],
-                               refresh_steps=request["refresh_steps"], seed=request["seed"])
-            comparison = abtest.run_comparison(
-                trace, request["policies"], request["workers"], config, progress,
-                params=BalanceRouteParams(stage1=request["stage1"]))
-            self._set(job_id, status="done", progress=1.0,
-                      results=json.dumps(comparison.rows))
+                    trace = trace_from_observations(session, request["requests"],
+                                                    recent=kind == "tuning")
+            if kind == "tuning":
+                result: object = run_tuning(request, trace, progress)
+            else:
+                result = run_ab(request, trace, progress)
+            self._set(job_id, status="done", progress=1.0, results=json.dumps(result))
+            if kind == "tuning" and self.on_tuned is not None and isinstance(result, dict):
+                self.on_tuned(result["recommendation"])
+        except JobCancelled:
+            self._set(job_id, status="cancelled")
         except Exception as exc:  # the job fails, the service does not
-            log.exception("A/B job %s failed", job_id)
+            log.exception("job %s failed", job_id)
             self._set(job_id, status="failed", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.cancelled.discard(job_id)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

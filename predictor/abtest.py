@@ -88,7 +88,7 @@ def http_predictor_factory(url: str, run_tag: str, timeout_s: float = 0.5,
             return make_predictor(policy, trace)
         predictor = HttpPredictor(url, estimator_name(policy), timeout_s=timeout_s, token=token,
                                   id_prefix=f"{run_tag}-{next(counter)}-{policy}-",
-                                  report="sync")
+                                  report="sync", follow_recommendation=False)
         created.append(predictor)
         return predictor
 

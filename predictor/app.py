@@ -117,6 +117,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service.load()
         app.state.ab_jobs.recover()
+        service.recommendation = app.state.ab_jobs.latest_recommendation()
         refresh_gauges(service, metrics)
         # Everything loaded so far (modules, the learners' state) lives as long as the app:
         # move it out of the collector's sight. Without this every full collection walked the
@@ -138,7 +139,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.service = service
     app.state.metrics = metrics
-    app.state.ab_jobs = AbJobRunner(service.sessions)
+    app.state.ab_jobs = AbJobRunner(service.sessions, settings.max_queued_jobs,
+                                    on_tuned=lambda advice: setattr(service, "recommendation",
+                                                                    advice))
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
 
     app.add_middleware(RequestMetrics, metrics=metrics)

@@ -137,6 +137,8 @@ class ContributionsOut(BaseModel):
     horizon: int = Field(description="H used for this answer")
     model_version: int = Field(description="batches of observations learned so far")
     drifted: bool = Field(description="drift is flagged: routers should fall back to BR-0")
+    recommendation: Recommendation | None = Field(
+        description="which policy routers should run, from the newest tuning (null: none yet)")
     items: list[ContributionOut]
 
 
@@ -148,6 +150,8 @@ class StatusOut(BaseModel):
     uptime_s: float = Field(description="seconds since the process started")
     estimators: list[str] = Field(description="registered estimators")
     auto_estimator: str = Field(description="the estimator that answers `auto`")
+    recommendation: Recommendation | None = Field(
+        description="which policy routers should run, from the newest tuning (null: none yet)")
 
 
 class ReliabilityBin(BaseModel):
@@ -226,7 +230,8 @@ class AbComparisonIn(BaseModel):
     horizon: Annotated[int, Field(strict=True, ge=1, le=4096)] = 80
     refresh_steps: Annotated[int, Field(strict=True, ge=1, le=10_000)] = 10
     requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] | None = None
-    step_cost: tuple[Annotated[float, Field(ge=0)], Annotated[float, Field(ge=0)]] | None = None
+    step_cost: tuple[Annotated[float, Field(ge=0, le=1.0)],
+                     Annotated[float, Field(ge=0, le=10.0)]] | None = None
     stage1: Literal["auto", "paper", "best-pair"] = "auto"
     source: Literal["observations"] | None = Field(
         None, description="replay the service's own stored observations")
@@ -235,8 +240,8 @@ class AbComparisonIn(BaseModel):
     @field_validator("load")
     @classmethod
     def _positive(cls, value: float | str) -> float | str:
-        if not isinstance(value, str) and not value > 0:
-            raise ValueError("load must be > 0 or 'backlog'")
+        if not isinstance(value, str) and not 0 < value <= 100:
+            raise ValueError("load must be in (0, 100] or 'backlog'")
         return value
 
     @field_validator("policies")
@@ -256,6 +261,59 @@ class AbComparisonIn(BaseModel):
         return self
 
 
+class GridPoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    horizon: Annotated[int, Field(strict=True, ge=1, le=4096)]
+    beta: Annotated[float, Field(ge=0, le=1e6)]
+    gamma: Annotated[float, Field(gt=0, le=1)]
+
+
+class TuningIn(BaseModel):
+    """Replay recent stored traffic over BR-0 and a grid of BR-H settings."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: Literal["observations"] = Field(
+        "observations", description="the service's own stored observations (the most recent "
+        "`requests` of them, in completion order)")
+    workers: list[Annotated[int, Field(strict=True, ge=1, le=256)]] = Field(
+        default_factory=lambda: [8], min_length=1, max_length=1)
+    batch: Annotated[int, Field(strict=True, ge=1, le=1024)] = 64
+    load: float | Literal["backlog"] = 1.0
+    seed: int = 0
+    refresh_steps: Annotated[int, Field(strict=True, ge=1, le=10_000)] = 10
+    requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] = 20_000
+    step_cost: tuple[Annotated[float, Field(ge=0, le=1.0)],
+                     Annotated[float, Field(ge=0, le=10.0)]] | None = None
+    estimator: str = Field("exact_match", description="the estimator BR-H would use")
+    grid: list[GridPoint] | None = Field(
+        None, max_length=32, description="BR-H settings to try (default: a small built-in "
+        "grid); BR-0 always takes part")
+    min_gain: Annotated[float, Field(ge=0, le=0.5)] = Field(
+        0.001, description="BR-H is recommended only if it beats BR-0's throughput by this")
+
+    @field_validator("estimator")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        if value not in estimator_names():
+            raise ValueError(f"unknown estimator; known: {', '.join(estimator_names())}")
+        return value
+
+    @field_validator("load")
+    @classmethod
+    def _positive(cls, value: float | str) -> float | str:
+        if not isinstance(value, str) and not 0 < value <= 100:
+            raise ValueError("load must be in (0, 100] or 'backlog'")
+        return value
+
+
+class Recommendation(BaseModel):
+    policy: Literal["br0", "brh"]
+    horizon: int | None = None
+    beta: float | None = None
+    gamma: float | None = None
+    estimator: str | None = None
+
+
 class AbJobCreated(BaseModel):
     id: str = Field(description="poll GET /v1/ab-comparisons/{id}")
 
@@ -264,7 +322,9 @@ class AbJobOut(BaseModel):
     id: str
     status: Literal["queued", "running", "done", "failed", "cancelled"]
     progress: float = Field(description="0..1")
-    results: list[dict] = Field(description="rows with the schema of `balanceroute ab --json`")
+    results: list[dict] | dict = Field(
+        description="A/B: rows with the schema of `balanceroute ab --json`; tuning: the ranked "
+        "rows and the recommendation")
     error: str | None
     created_at: str
-    request: dict = Field(description="the validated request")
+    request: dict = Field(description="the validated request (a trace's content left out)")

@@ -47,6 +47,7 @@ class PredictorService:
         self.lock = threading.RLock()
         self.started = time.monotonic()
         self.loaded = False
+        self.recommendation: dict | None = None  # from the newest done tuning
         self._reset_learners()
 
     def _reset_learners(self) -> None:

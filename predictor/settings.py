@@ -42,4 +42,5 @@ class Settings(BaseSettings):
     calibration_capacity: int = Field(200_000, ge=1)
     drift_length_effect: float = Field(0.3, gt=0.0, le=1.0)
     drift_loss_effect: float = Field(0.05, gt=0.0, le=1.0)
+    max_queued_jobs: int = Field(8, ge=1, le=1000)
     drift_clear_after: int = Field(5000, ge=1)

@@ -178,13 +178,18 @@ class Proxy:
         self.pending = PendingPool(config.pool_max)
         self.engines = EngineSet(config.decode, self.http, self.metrics, self._wake,
                                  config.probe_interval_s)
-        base = make_policy(config.policy if config.policy in ("jsq", "rr", "ltl") else
-                           ("brh" if params.horizon else "br0"), params=params)
+        baseline = config.policy in ("jsq", "rr", "ltl")
+        base = make_policy(config.policy if baseline else ("brh" if params.horizon else "br0"),
+                           params=params)
         self.policy = RankMaskPolicy(base, self.engines.up)
+        # BR-0/BR-H: RouterClient builds (and may rebuild, adopting the service's
+        # recommendation) the policy; the same mask wraps it each time.
         self.client = RouterClient(
             RouterConfig(G, capacity, params, refresh_steps=config.refresh_steps,
                          pool_ttl_s=config.pool_ttl_s, active_ttl_s=config.active_ttl_s),
-            predictor, metrics=self.metrics.router, policy=self.policy)
+            predictor, metrics=self.metrics.router,
+            policy=self.policy if baseline else None,
+            wrap=None if baseline else self.policy.around)
         self.dispatcher = Dispatcher(self.client, self.pending, self.metrics, self.policy,
                                      self.engines.up)
         self.prefills = (EngineSet(config.prefill, self.http, self.metrics, self._wake,

@@ -49,6 +49,11 @@ class RankMaskPolicy:
         self.up = up  # shared with the engine set, updated in place
         self.last: Decision | None = None
 
+    def around(self, inner: Policy) -> RankMaskPolicy:
+        """Mask ``inner`` from now on (the same mask object, so its users keep it)."""
+        self.inner = inner
+        return self
+
     @property
     def name(self) -> str:
         return self.inner.name

@@ -12,11 +12,14 @@ handed to the predictor for reporting, which never blocks routing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .admission import BalanceRouteParams
+from .errors import ParameterError
 from .fallback import FallbackController, RouterMetrics
 from .policies import Policy, make_policy
 from .prediction import PredictionCache
@@ -35,6 +38,10 @@ class RouterConfig:
     healthy_to_return: int = 3
     pool_ttl_s: float = 60.0
     active_ttl_s: float = 120.0
+    follow_recommendation: bool = True
+
+
+log = logging.getLogger("balanceroute.router")
 
 
 class RouterClient:
@@ -42,19 +49,31 @@ class RouterClient:
 
     The policy is BR-H with ``config.params`` (BR-0 when its horizon is 0) unless ``policy``
     is given (any registered policy, e.g. ``make_policy("jsq")``); ``shadows`` are routed on the
-    same view for comparison only.
+    same view for comparison only; ``wrap`` (optional) wraps the BR policy, now and whenever it
+    is rebuilt (a proxy masks ranks that are down with it).
+
+    Recommendations: when the predictor's answer carries the service's advice (``balanceroute
+    tune``, ``POST /v1/tunings``) and ``config.follow_recommendation`` is set, the client adopts
+    it at that refresh: BR-0, or BR-H with the advised H, beta and gamma. A workload where
+    lookahead cannot help then runs BR-0. A client given its own ``policy`` keeps it.
     """
 
     def __init__(self, config: RouterConfig, predictor: Predictor | None = None,
                  shadows: list[Policy] | None = None,
-                 metrics: RouterMetrics | None = None, policy: Policy | None = None) -> None:
+                 metrics: RouterMetrics | None = None, policy: Policy | None = None,
+                 wrap: Callable[[Policy], Policy] | None = None) -> None:
         self.config = config
         self.predictor = predictor
         self.fleet = MirroredFleet(config.workers, config.capacity, config.pool_ttl_s,
                                    config.active_ttl_s)
+        self.shadows = shadows
+        self.wrap = wrap
+        self.owns_policy = policy is None
+        self.params = config.params
+        self.adopted: dict | None = None
         base = policy or make_policy("brh" if config.params.horizon else "br0",
                                      params=config.params)
-        self.policy: Policy = ShadowPolicy(base, shadows) if shadows else base
+        self.policy: Policy = self._install(base)
         horizon = config.params.horizon if base.needs_predictions else 0
         self.predictions = PredictionCache(
             predictor, horizon, config.refresh_steps,
@@ -124,6 +143,38 @@ class RouterClient:
             [r.prompt_key for r in active] + [w.prompt_key for w in waiting],
         )
         self.predictions.refresh(step, batch, len(active))
+        advice = self.predictions.recommendation
+        if advice is not None and advice != self.adopted and self.config.follow_recommendation:
+            self.adopt(advice)
+
+    def _install(self, base: Policy) -> Policy:
+        wrapped = self.wrap(base) if self.wrap is not None else base
+        return ShadowPolicy(wrapped, self.shadows) if self.shadows else wrapped
+
+    def adopt(self, advice: dict) -> bool:
+        """Route from now on as ``advice`` says (``{"policy": "br0"}`` or ``{"policy": "brh",
+        "horizon", "beta", "gamma", ...}``); returns whether it was adopted."""
+        self.adopted = advice
+        if not self.owns_policy:
+            return False
+        try:
+            if advice.get("policy") == "br0":
+                params = self.params.as_br0()
+            elif advice.get("policy") == "brh":
+                params = replace(self.params, horizon=int(advice["horizon"]),
+                                 beta=float(advice["beta"]), gamma=float(advice["gamma"]))
+            else:
+                raise ParameterError("policy", f"unknown policy {advice.get('policy')!r}")
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("recommendation %s ignored: %s", advice, exc)
+            return False
+        self.policy = self._install(make_policy("brh" if params.horizon else "br0",
+                                                params=params))
+        if params.horizon:
+            self.predictions.horizon = params.horizon
+        self.params = params
+        log.warning("router adopts the recommendation %s", advice)
+        return True
 
     def _report(self) -> None:
         outcomes = self.fleet.take_outcomes()

@@ -41,7 +41,8 @@ class HttpPredictor:
                  token: str | None = None, id_prefix: str = "",
                  report: Literal["background", "sync"] = "background",
                  flush_on_predict: bool | None = None, report_interval_s: float = 0.5,
-                 report_timeout_s: float | None = None) -> None:
+                 report_timeout_s: float | None = None,
+                 follow_recommendation: bool = True) -> None:
         """``flush_on_predict`` is the older spelling of the mode: True is ``"sync"``, False
         ``"background"``. ``report_timeout_s`` bounds one report post (default: ``timeout_s``
         in sync mode, where it is on the caller's path, else 5 s)."""
@@ -51,6 +52,7 @@ class HttpPredictor:
             raise ValueError("report must be 'background' or 'sync'")
         self.name = f"http:{estimator}"
         self.estimator = estimator
+        self.follow_recommendation = follow_recommendation
         self.id_prefix = id_prefix
         self.report = report
         self.report_interval_s = report_interval_s
@@ -94,13 +96,19 @@ class HttpPredictor:
             c_hat = np.fromiter((item["c_hat"] for item in answer["items"]), dtype=np.float64,
                                 count=len(items))
             self.drifted = bool(answer.get("drifted", False))
+            recommendation = answer.get("recommendation")
+            if recommendation is not None and not isinstance(recommendation, dict):
+                raise TypeError("recommendation is not an object")
         except (httpx.HTTPError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             self.failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.info("prediction refresh failed: %s", self.last_error)
             return Prediction(None)
         self.last_error = None
-        return Prediction(c_hat, drifted=self.drifted)
+        if recommendation is not None and self.follow_recommendation and recommendation.get(
+                "policy") == "brh" and isinstance(recommendation.get("estimator"), str):
+            self.estimator = recommendation["estimator"]  # ask that one from the next refresh
+        return Prediction(c_hat, drifted=self.drifted, recommendation=recommendation)
 
     def observe(self, finished: FinishedBatch) -> None:
         reasons = finished.finish_reasons or [

@@ -58,6 +58,7 @@ class PredictionCache:
         self.refresh_steps = refresh_steps
         self.controller = controller or FallbackController()
         self.use_predictions = False
+        self.recommendation: dict | None = None  # the predictor's advice, from the last answer
         self.last_refresh: int | None = None
         self.fallback_rounds = 0
         self._c_hat: dict[Hashable, float] = {}
@@ -84,6 +85,8 @@ class PredictionCache:
             healthy, reason = False, "drifted"
         else:
             healthy, reason = True, "ok"
+        if prediction.recommendation is not None:
+            self.recommendation = prediction.recommendation
         if healthy and prediction.c_hat is not None:
             ids = batch.request_ids.tolist()
             values = np.asarray(prediction.c_hat, dtype=np.float64).tolist()

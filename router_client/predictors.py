@@ -38,10 +38,16 @@ class FinishedBatch:
 
 @dataclass(frozen=True)
 class Prediction:
-    """``c_hat`` per request, or ``None`` when the predictor cannot answer (then BR-0)."""
+    """``c_hat`` per request, or ``None`` when the predictor cannot answer (then BR-0).
+
+    ``recommendation`` is the service's current advice on which policy to run, when it has
+    one: ``{"policy": "br0"}`` or ``{"policy": "brh", "horizon", "beta", "gamma",
+    "estimator"}`` (see ``balanceroute tune``).
+    """
 
     c_hat: np.ndarray | None
     drifted: bool = False
+    recommendation: dict | None = None
 
 
 @runtime_checkable

@@ -6,33 +6,69 @@ from fastapi import APIRouter, HTTPException
 from fastapi.exceptions import RequestValidationError
 
 from router_client.errors import TraceError
-from router_client.traces import parse_trace
+from router_client.traces import Trace, parse_trace
 
-from ..schemas import AbComparisonIn, AbJobCreated, AbJobOut
+from ..abjobs import TooManyJobs
+from ..schemas import MAX_TOKENS, AbComparisonIn, AbJobCreated, AbJobOut
 from .deps import AbJobsDep, WriteAuth
 
 router = APIRouter(prefix="/v1/ab-comparisons", tags=["a/b"])
+
+MAX_TRACE_REQUESTS = 200_000
+
+
+def _invalid(loc: tuple, message: str, kind: str) -> RequestValidationError:
+    return RequestValidationError([{"loc": loc, "msg": message, "type": kind}])
+
+
+def parsed_trace(body: AbComparisonIn) -> Trace | None:
+    """The request's trace, parsed and checked against the limits (422 naming the problem)."""
+    if body.trace is None:
+        return None
+    loc = ("body", "trace", "content")
+    try:  # a bad trace is the caller's error, reported now with its line
+        trace = parse_trace(body.trace.content, body.trace.format, "trace")
+    except TraceError as exc:
+        raise _invalid(loc, str(exc), "trace_format") from None
+    trace = trace.head(body.requests)
+    if len(trace) > MAX_TRACE_REQUESTS:
+        raise _invalid(loc, f"{len(trace)} requests; at most {MAX_TRACE_REQUESTS}", "too_long")
+    longest = max(int(trace.output_tokens.max()), int(trace.prompt_tokens.max()))
+    if longest > MAX_TOKENS:
+        raise _invalid(loc, f"a request of {longest} tokens; at most {MAX_TOKENS}", "too_large")
+    return trace
 
 
 @router.post("", status_code=202, response_model=AbJobCreated, dependencies=[WriteAuth])
 def start_ab_comparison(body: AbComparisonIn, jobs: AbJobsDep) -> AbJobCreated:
     """Start a simulated A/B comparison (background job); poll it by id."""
-    trace = None
-    if body.trace is not None:
-        try:  # a bad trace is the caller's error, reported now with its line
-            trace = parse_trace(body.trace.content, body.trace.format, "trace")
-        except TraceError as exc:
-            raise RequestValidationError([{"loc": ("body", "trace", "content"),
-                                           "msg": str(exc), "type": "trace_format"}]
-                                         ) from None
-        trace = trace.head(body.requests)
-    return AbJobCreated(id=jobs.submit(body.model_dump(), trace))
+    trace = parsed_trace(body)
+    try:
+        return AbJobCreated(id=jobs.submit(body.model_dump(), trace, kind="ab"))
+    except TooManyJobs as exc:
+        raise _invalid(("body",), str(exc), "too_many_jobs") from None
+
+
+@router.get("", response_model=list[AbJobOut])
+def list_ab_comparisons(jobs: AbJobsDep) -> list[dict]:
+    """The newest 100 comparisons, without their results."""
+    return jobs.list("ab")
 
 
 @router.get("/{job_id}", response_model=AbJobOut)
 def get_ab_comparison(job_id: str, jobs: AbJobsDep) -> dict:
     """A job's status, progress and, when done, its result rows."""
-    job = jobs.get(job_id)
+    job = jobs.get(job_id, "ab")
+    if job is None:
+        raise HTTPException(404, f"no A/B comparison {job_id!r}")
+    return job
+
+
+@router.delete("/{job_id}", response_model=AbJobOut, dependencies=[WriteAuth])
+def cancel_ab_comparison(job_id: str, jobs: AbJobsDep) -> dict:
+    """Cancel a queued or running comparison (status ``cancelled``; a running one stops at
+    its next progress report)."""
+    job = jobs.cancel(job_id, "ab")
     if job is None:
         raise HTTPException(404, f"no A/B comparison {job_id!r}")
     return job

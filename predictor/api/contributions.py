@@ -60,6 +60,7 @@ def answer(body: ContributionsIn, service: PredictorService, metrics: Metrics) -
     mu = [None if m != m else m for m in estimate.mu_rem.tolist()]  # NaN -> null
     payload = {
         "horizon": horizon, "model_version": result.model_version, "drifted": result.drifted,
+        "recommendation": service.recommendation,
         "items": [
             {"request_id": item["request_id"], "c_hat": c, "p_fin": p, "mu_rem": m,
              "estimator": e, "support": s}

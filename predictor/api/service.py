@@ -24,7 +24,7 @@ def status(service: ServiceDep) -> StatusOut:
     return StatusOut(model_version=service.model_version, observations=service.observations,
                      buckets=service.buckets, drifted=service.drift.drifted,
                      uptime_s=round(service.uptime_s, 3), estimators=estimator_names(),
-                     auto_estimator=service.auto)
+                     auto_estimator=service.auto, recommendation=service.recommendation)
 
 
 @router.get("/healthz", response_model=HealthOut)

@@ -104,3 +104,31 @@ def test_token_unknown_id_and_restart_marks_running_jobs_failed(tmp_path):
     with TestClient(create_app(settings)) as c:
         job = c.get("/v1/ab-comparisons/" + "x" * 32).json()
         assert job["status"] == "failed" and "interrupted" in job["error"]
+
+
+def test_jobs_list_cancel_and_limits(tmp_path):
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'jobs.db'}", max_queued_jobs=2)
+    slow = {"policies": ["br0", "brh-survival"], "workers": [8], "batch": 64, "load": 1.0,
+            "trace": {"format": "csv", "content": csv_trace(n=3000)}}
+    with TestClient(create_app(settings)) as c:
+        huge = "arrival_s,prompt_tokens,output_tokens\n0,10,1000000000\n"
+        refused = c.post("/v1/ab-comparisons", json={**slow, "trace": {
+            "format": "csv", "content": huge}})
+        assert refused.status_code == 422
+        assert refused.json()["detail"][0]["loc"] == ["body", "trace", "content"]
+        first = c.post("/v1/ab-comparisons", json=slow).json()["id"]
+        second = c.post("/v1/ab-comparisons", json=slow).json()["id"]
+        full = c.post("/v1/ab-comparisons", json=slow)
+        assert full.status_code == 422 and "at most 2" in full.json()["detail"][0]["msg"]
+        listed = c.get("/v1/ab-comparisons").json()
+        assert {j["id"] for j in listed} == {first, second}
+        assert all("content" not in j["request"]["trace"] for j in listed)
+        assert c.get(f"/v1/ab-comparisons/{first}").json()["request"]["trace"]["bytes"] > 0
+        for job_id in (second, first):
+            assert c.delete(f"/v1/ab-comparisons/{job_id}").status_code == 200
+        for job_id in (first, second):
+            deadline = time.monotonic() + 60
+            while c.get(f"/v1/ab-comparisons/{job_id}").json()["status"] != "cancelled":
+                assert time.monotonic() < deadline, "the job was not cancelled"
+                time.sleep(0.1)
+        assert c.delete("/v1/ab-comparisons/nope").status_code == 404

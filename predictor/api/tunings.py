@@ -1,0 +1,46 @@
+"""``/v1/tunings``: which policy this workload should run, from the service's own data."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException
+from fastapi.exceptions import RequestValidationError
+
+from ..abjobs import TooManyJobs
+from ..schemas import AbJobCreated, AbJobOut, TuningIn
+from .deps import AbJobsDep, WriteAuth
+
+router = APIRouter(prefix="/v1/tunings", tags=["tuning"])
+
+
+@router.post("", status_code=202, response_model=AbJobCreated, dependencies=[WriteAuth])
+def start_tuning(body: TuningIn, jobs: AbJobsDep) -> AbJobCreated:
+    """Replay the most recent stored observations over BR-0 and a small BR-H grid; when
+    done, the best setting becomes the service's recommendation (``/v1/status`` and every
+    contributions answer), which routers adopt at their next refresh."""
+    try:
+        return AbJobCreated(id=jobs.submit(body.model_dump(), None, kind="tuning"))
+    except TooManyJobs as exc:
+        raise RequestValidationError([{"loc": ("body",), "msg": str(exc),
+                                       "type": "too_many_jobs"}]) from None
+
+
+@router.get("", response_model=list[AbJobOut])
+def list_tunings(jobs: AbJobsDep) -> list[dict]:
+    return jobs.list("tuning")
+
+
+@router.get("/{job_id}", response_model=AbJobOut)
+def get_tuning(job_id: str, jobs: AbJobsDep) -> dict:
+    """Status, progress and, when done, the ranked settings and the recommendation."""
+    job = jobs.get(job_id, "tuning")
+    if job is None:
+        raise HTTPException(404, f"no tuning {job_id!r}")
+    return job
+
+
+@router.delete("/{job_id}", response_model=AbJobOut, dependencies=[WriteAuth])
+def cancel_tuning(job_id: str, jobs: AbJobsDep) -> dict:
+    job = jobs.cancel(job_id, "tuning")
+    if job is None:
+        raise HTTPException(404, f"no tuning {job_id!r}")
+    return job

@@ -1,0 +1,143 @@
+"""Tuning: offline (``balanceroute tune``), over REST from stored observations, and the
+recommendation reaching routers."""
+
+import dataclasses
+import json
+import time
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from predictor.app import create_app
+from predictor.cli import main
+from predictor.settings import Settings
+from predictor.tuning import Candidate, parse_grid, tune
+from router_client.client import RouterClient, RouterConfig
+from router_client.errors import ParameterError
+from router_client.predictors import Prediction
+from router_client.simulator import SimConfig
+from router_client.synth import synthesize
+
+SMALL_GRID = (Candidate("br0"), Candidate("brh", 20, 8.0, 0.9))
+
+
+def test_tuning_uses_only_the_past():
+    """Changing every request after the split leaves the ranking and the advice unchanged."""
+    trace = synthesize("synth:templated:n=600,seed=4")
+    config = SimConfig(workers=2, batch=8, load="backlog")
+    first = tune(trace, config, grid=SMALL_GRID, holdout=0.5)
+    later = np.arange(len(trace)) >= 300
+    changed = dataclasses.replace(
+        trace, output_tokens=np.where(later, trace.output_tokens * 3, trace.output_tokens))
+    second = tune(changed, config, grid=SMALL_GRID, holdout=0.5)
+    for a, b in zip(first.rows, second.rows, strict=True):
+        assert {k: v for k, v in a.items() if k != "sim_wall_s"} == {
+            k: v for k, v in b.items() if k != "sim_wall_s"}
+    assert first.recommendation == second.recommendation
+    assert first.rows[0]["requests"] == 300
+    assert [r["requests"] for r in first.evaluation] == [300] * len(first.evaluation)
+    assert first.evaluation != second.evaluation  # the held-out window did change
+
+
+def test_br0_unless_brh_clearly_wins():
+    trace = synthesize("synth:long:n=300,seed=1")
+    config = SimConfig(workers=2, batch=8, load="backlog")
+    result = tune(trace, config, grid=SMALL_GRID, min_gain=0.5)  # an impossible margin
+    assert result.recommendation == {"policy": "br0"}
+    assert {r["setting"] for r in result.rows} == {"br0", "brh H=20 beta=8 gamma=0.9"}
+
+
+def test_grid_validation():
+    with pytest.raises(ParameterError, match=r"grid\[0\]"):
+        parse_grid([{"horizon": 10}])
+    with pytest.raises(ParameterError, match="gamma"):
+        parse_grid([{"horizon": 10, "beta": 5, "gamma": 2}])
+
+
+def test_tune_command(tmp_path):
+    out = tmp_path / "tune.json"
+    assert main(["tune", "--trace", "synth:templated:n=400,seed=2", "--workers", "2",
+                 "--batch", "8", "--load", "backlog", "--holdout", "0.25", "--quiet",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["recommendation"]["policy"] in ("br0", "brh")
+    assert len(result["rows"]) == 9 and result["evaluation"]
+
+
+def wait(client, path, seconds=120):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        job = client.get(path).json()
+        if job["status"] in ("done", "failed", "cancelled"):
+            return job
+        time.sleep(0.1)
+    pytest.fail(f"{path} did not finish")
+
+
+def test_rest_tuning_publishes_its_recommendation(tmp_path):
+    trace = synthesize("synth:templated:n=300,seed=5")
+    observations = [{"request_id": f"r{i}", "prompt_key": k, "prompt_tokens": int(p),
+                     "output_tokens": int(o)}
+                    for i, (k, p, o) in enumerate(zip(trace.prompt_keys, trace.prompt_tokens,
+                                                      trace.output_tokens, strict=True))]
+    url = f"sqlite:///{tmp_path / 'tune.db'}"
+    with TestClient(create_app(Settings(database_url=url))) as client:
+        assert client.get("/v1/status").json()["recommendation"] is None
+        client.post("/v1/observations", json={"observations": observations}).raise_for_status()
+        bad = client.post("/v1/tunings", json={"estimator": "nope"})
+        assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "estimator"]
+        started = client.post("/v1/tunings", json={
+            "workers": [2], "batch": 8, "load": "backlog", "requests": 250,
+            "grid": [{"horizon": 20, "beta": 8, "gamma": 0.9}], "min_gain": 0.5})
+        assert started.status_code == 202
+        job = wait(client, f"/v1/tunings/{started.json()['id']}")
+        assert job["status"] == "done", job["error"]
+        assert job["results"]["recommendation"] == {"policy": "br0"}
+        assert [r["requests"] for r in job["results"]["rows"]] == [250, 250]
+        status = client.get("/v1/status").json()
+        assert status["recommendation"]["policy"] == "br0"
+        answer = client.post("/v1/contributions", json={
+            "items": [{"request_id": "x", "generated_tokens": 0}]}).json()
+        assert answer["recommendation"]["policy"] == "br0"
+        assert [j["id"] for j in client.get("/v1/tunings").json()] == [job["id"]]
+        assert client.get(f"/v1/ab-comparisons/{job['id']}").status_code == 404
+    with TestClient(create_app(Settings(database_url=url))) as client:  # survives a restart
+        assert client.get("/v1/status").json()["recommendation"]["policy"] == "br0"
+
+
+class Advising:
+    """A predictor whose answers carry a recommendation."""
+
+    name = "advising"
+
+    def __init__(self, advice):
+        self.advice = advice
+
+    def predict(self, batch, horizon):
+        return Prediction(np.full(len(batch.request_ids), 10.0), recommendation=self.advice)
+
+    def observe(self, finished):
+        pass
+
+
+def test_router_client_adopts_the_recommendation_at_a_refresh():
+    advice = {"policy": "brh", "horizon": 30, "beta": 12.0, "gamma": 0.9,
+              "estimator": "exact_match"}
+    predictor = Advising(advice)
+    router = RouterClient(RouterConfig(workers=2, capacity=4), predictor)
+    assert router.policy.params.horizon == 80
+    router.on_prefilled("a", 100, now=0.0)
+    router.tick(now=0.0)
+    assert router.adopted == advice
+    assert (router.policy.params.horizon, router.policy.params.beta,
+            router.policy.params.gamma) == (30, 12.0, 0.9)
+    assert router.predictions.horizon == 30
+    predictor.advice = {"policy": "br0"}
+    for step in range(1, 11):
+        router.tick(now=float(step))
+    assert router.policy.name == "br0" and not router.policy.needs_predictions
+    predictor.advice = {"policy": "teleport"}
+    for step in range(11, 21):
+        router.tick(now=float(step))
+    assert router.policy.name == "br0"  # an advice it cannot follow is ignored

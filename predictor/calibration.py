@@ -138,13 +138,15 @@ def reliability(p: np.ndarray, y: np.ndarray, bins: int = 10) -> tuple[list[dict
         mask = index == b
         count = int(mask.sum())
         if count == 0:
-            out.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "mean_pred": None,
+            out.append({"lo": round(float(edges[b]), 6), "hi": round(float(edges[b + 1]), 6),
+                        "mean_pred": None,
                         "observed": None, "count": 0})
             continue
         mean_pred = float(p[mask].mean())
         observed = float(y[mask].mean())
         ece += count / n * abs(mean_pred - observed)
-        out.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "mean_pred": mean_pred,
+        out.append({"lo": round(float(edges[b]), 6), "hi": round(float(edges[b + 1]), 6),
+                    "mean_pred": mean_pred,
                     "observed": observed, "count": count})
     return out, float(ece)
 

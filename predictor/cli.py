@@ -97,9 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load balancing for barrier-synchronized data-parallel LLM decode fleets.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("--version", action="version",
+                        version=f"balanceroute {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the prediction service (FastAPI)")
+    serve = sub.add_parser("serve", help="run the prediction service (FastAPI)",
+                           description="Run the prediction service.",
+                           epilog=settings_help(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--database-url", default=None,
@@ -139,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--json", type=Path, default=None, help="write the result rows here")
     ab.add_argument("--predictor-url", default=None,
                     help="route BR-H through a running prediction service")
+    ab.add_argument("--run-tag", default=None,
+                    help="prefix of request ids sent to --predictor-url (default: from the "
+                    "clock, so repeated runs do not collide)")
     ab.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
     tune = sub.add_parser("tune", help="which policy this workload should run: BR-0 or a BR-H "
@@ -197,7 +205,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
     factory: Callable[[str, Trace], Predictor | None] = abtest.make_predictor
     if args.predictor_url:
         factory = abtest.http_predictor_factory(
-            args.predictor_url, run_tag=f"ab{int(time.time())}", token=os.environ.get(
+            args.predictor_url, run_tag=args.run_tag or f"ab{int(time.time())}",
+            token=os.environ.get(
                 "BALANCEROUTE_API_TOKEN"))
     comparison = abtest.run_comparison(
         trace, args.policies, args.workers, config, Progress(not args.quiet),
@@ -260,15 +269,56 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("balanceroute")
+    except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "unknown"
+
+
+def settings_help() -> str:
+    """The settings and their defaults, for ``serve --help``."""
+    from .settings import Settings
+
+    lines = ["settings (environment variables; defaults in brackets):"]
+    for name, field in Settings.model_fields.items():
+        default = "unset" if field.default is None else field.default
+        lines.append(f"  BALANCEROUTE_{name.upper():<30} [{default}]")
+    return "\n".join(lines)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
+    from pydantic import ValidationError
+    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
     from .app import create_app
     from .settings import Settings
+    from .store import make_engine, ping
 
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = "BALANCEROUTE_" + str(first["loc"][0]).upper()
+        print(f"error: {field}: {first['msg']}", file=sys.stderr)
+        return 1
     if args.database_url:
         settings = settings.model_copy(update={"database_url": args.database_url})
+    try:  # fail in one line, before uvicorn starts, on a URL that cannot work
+        engine = make_engine(settings.database_url)
+        with engine.connect() as connection:
+            from sqlalchemy.orm import Session
+
+            ping(session=Session(bind=connection))
+        engine.dispose()
+    except (ArgumentError, SQLAlchemyError, ModuleNotFoundError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"error: cannot use the database {settings.database_url!r}: {reason}",
+              file=sys.stderr)
+        return 1
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
     return 0
 
@@ -318,7 +368,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         demo_args = build_parser().parse_args(
             ["ab", "--trace", trace, "--requests", "4000", "--workers", "8", "--load", "1.0",
              "--policies", "rr,jsq,p2c,ltl,br0,brh-survival,brh-oracle",
-             "--out", str(out), "--json", str(out / "results.json"), "--predictor-url", url]
+             "--out", str(out), "--json", str(out / "results.json"), "--predictor-url", url,
+             "--run-tag", "demo"]
         )
         code = cmd_ab(demo_args)
         status = httpx.get(url + "/v1/status").json()

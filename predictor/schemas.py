@@ -12,6 +12,7 @@ from typing import (
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     TypeAdapter,
@@ -27,8 +28,29 @@ from .estimators import estimator_names
 # Lengths are bounded so that no input can blow up a learner's arrays or a 32-bit column.
 MAX_TOKENS = 1_048_576
 TokenCount = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKENS)]
-RequestId = Annotated[str, Field(min_length=1, max_length=128)]
-PromptKey = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+def storable(text: str) -> str:
+    """Text every database stores: no NUL (PostgreSQL refuses it) and no lone surrogate (not
+    encodable as UTF-8)."""
+    if "\x00" in text:
+        raise ValueError("must not contain a NUL character")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (a lone surrogate is not)") from None
+    return text
+
+
+RequestId = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(storable)]
+PromptKey = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(storable)]
+PromptText = Annotated[str, AfterValidator(storable)]
+
+
+def _timestamp_text(value: object) -> object:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        raise ValueError("must be an ISO 8601 date-time string, not a number")
+    return value
 
 
 def known_estimator(name: str) -> str:
@@ -51,7 +73,8 @@ class _Keyed(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt_key: PromptKey | None = None
-    prompt: str | None = Field(None, repr=False, description="hashed, never stored or logged")
+    prompt: PromptText | None = Field(None, repr=False,
+                                      description="hashed, never stored or logged")
 
     def key(self) -> str | None:
         """The prompt key: the given one, else the hash of the text, else None."""
@@ -66,7 +89,8 @@ class ObservationIn(_Keyed):
         None, description="prompt length in tokens; null or absent when unknown")
     output_tokens: TokenCount
     finish_reason: Literal["stop", "length", "cancelled", "error"] = "stop"
-    completed_at: datetime | None = None
+    completed_at: Annotated[datetime | None, BeforeValidator(_timestamp_text)] = Field(
+        None, description="ISO 8601; a naive time is taken as UTC; default: now")
 
     @field_validator("completed_at")
     @classmethod
@@ -96,7 +120,7 @@ class ContributionItem(TypedDict):
     __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
     request_id: RequestId
     prompt_key: NotRequired[PromptKey | None]
-    prompt: NotRequired[str | None]
+    prompt: NotRequired[PromptText | None]
     prompt_tokens: NotRequired[TokenCount]
     generated_tokens: TokenCount
 

@@ -34,6 +34,7 @@ from .errors import TraceError, TraceFormatError
 
 FORMATS = ("auto", "azure", "mooncake", "sharegpt", "csv")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+MAX_TRACE_TOKENS = 2**40  # far beyond any real request; keeps int64 arithmetic exact
 AZURE_CAP = 1000
 MOONCAKE_CAP = 2000
 SHAREGPT_CAP = 1024
@@ -90,6 +91,9 @@ def _int_field(source: str, line: int, name: str, raw: object, minimum: int) -> 
         raise TraceFormatError(source, line, f"{name} must be an integer, got {raw!r}") from None
     if value < minimum:
         raise TraceFormatError(source, line, f"{name} must be >= {minimum}, got {value}")
+    if value > MAX_TRACE_TOKENS:
+        raise TraceFormatError(source, line,
+                               f"{name} must be <= {MAX_TRACE_TOKENS}, got {value}")
     return value
 
 

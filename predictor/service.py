@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 from sqlalchemy import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from . import store
@@ -44,7 +45,8 @@ class PredictorService:
         self.settings = settings
         self.engine = engine
         self.sessions = sessionmaker(engine, expire_on_commit=False)
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # the learners and trackers (memory only)
+        self.ingest_lock = threading.Lock()  # serializes ingestion's database work
         self.started = time.monotonic()
         self.loaded = False
         self.recommendation: dict | None = None  # from the newest done tuning
@@ -132,47 +134,65 @@ class PredictorService:
         """Store the new observations (all or nothing) and learn from them.
 
         Each dict has request_id, prompt_key, prompt_tokens, output_tokens, finish_reason and
-        completed_at. A request_id already stored, or repeated in the batch, is a duplicate.
+        completed_at. A request_id already stored (by this replica or another one on the same
+        database), or repeated in the batch, is a duplicate. Database work runs under
+        ``ingest_lock`` only; the learners' ``lock``, which queries take, is held just for the
+        in-memory update, so a query never waits on a commit.
         """
-        with self.lock:
+        with self.ingest_lock:
+            rows, batch = self._store(observations)
+            if not rows:
+                return IngestResult(0, len(observations), self.model_version)
+            with self.lock:
+                self._apply([(None, batch, r["output_tokens"], r["censored"], r["prompt_key"],
+                              r["completed_at"], r["prompt_tokens"]) for r in rows])
+                self.model_version = max(self.model_version, batch)
+                scored = self._score(rows)
+            if scored:
+                with self.session() as session:
+                    store.insert_scored(session=session, rows=scored,
+                                        keep=self.settings.calibration_capacity)
+                    session.commit()
+            return IngestResult(len(rows), len(observations) - len(rows), batch)
+
+    def _store(self, observations: list[dict], attempts: int = 3) -> tuple[list[dict], int]:
+        """Insert and commit the observations not stored yet; returns them and their batch.
+
+        Another replica may commit some of the same ids between our check and our insert:
+        the unique key then refuses the batch, and we check again (those are duplicates)."""
+        for attempt in range(attempts):
             with self.session() as session:
                 ids = [o["request_id"] for o in observations]
                 stored = store.existing_request_ids(session=session, request_ids=ids)
-                seen: set[str] = set()
-                fresh: list[dict] = []
-                for obs in observations:
-                    rid = obs["request_id"]
-                    if rid in stored or rid in seen:
-                        continue
-                    seen.add(rid)
-                    fresh.append(obs)
+                fresh = []
+                for obs in observations:  # the first of repeated ids, in batch order
+                    if obs["request_id"] not in stored:
+                        stored.add(obs["request_id"])
+                        fresh.append(obs)
                 if not fresh:
-                    return IngestResult(0, len(observations), self.model_version)
-                batch = self.model_version + 1
+                    return [], self.model_version
+                batch = store.latest_batch(session=session) + 1  # global across replicas
                 now = datetime.now(UTC)
-                rows = [
-                    {
-                        "request_id": o["request_id"],
-                        "prompt_key": o.get("prompt_key"),
-                        "prompt_tokens": o["prompt_tokens"],
-                        "output_tokens": o["output_tokens"],
-                        "finish_reason": o["finish_reason"],
-                        "censored": o["finish_reason"] in CENSORING_REASONS,
-                        "completed_at": o.get("completed_at") or now,
-                        "batch": batch,
-                    }
-                    for o in fresh
-                ]
-                store.insert_observations(session=session, rows=rows)
-                session.commit()  # durable before we answer or learn
-            self._apply([(None, batch, r["output_tokens"], r["censored"], r["prompt_key"],
-                          r["completed_at"], r["prompt_tokens"]) for r in rows])
-            self.model_version = batch
-            self._score(rows)
-            return IngestResult(len(fresh), len(observations) - len(fresh), batch)
+                rows = [{"request_id": o["request_id"], "prompt_key": o.get("prompt_key"),
+                         "prompt_tokens": o["prompt_tokens"], "output_tokens": o["output_tokens"],
+                         "finish_reason": o["finish_reason"],
+                         "censored": o["finish_reason"] in CENSORING_REASONS,
+                         "completed_at": o.get("completed_at") or now, "batch": batch}
+                        for o in fresh]
+                try:
+                    store.insert_observations(session=session, rows=rows)
+                    session.commit()  # durable before we answer or learn
+                except IntegrityError:
+                    session.rollback()
+                    if attempt == attempts - 1:
+                        raise
+                    continue
+                return rows, batch
+        raise RuntimeError("unreachable")  # pragma: no cover
 
-    def _score(self, rows: list[dict]) -> None:
-        """Score the pending predictions of these finished requests and store the scores."""
+    def _score(self, rows: list[dict]) -> list[dict]:
+        """Score the pending predictions of these finished requests (in memory); returns the
+        rows to store."""
         stored: list[dict] = []
         for row in rows:
             when = row["completed_at"]
@@ -187,11 +207,7 @@ class PredictorService:
                     "p_fin": scored.p_fin, "c_hat": scored.c_hat, "ended": scored.ended,
                     "realized": scored.realized, "hit": scored.hit, "scored_at": when,
                 })
-        if stored:
-            with self.session() as session:
-                store.insert_scored(session=session, rows=stored,
-                                    keep=self.settings.calibration_capacity)
-                session.commit()
+        return stored
 
     def contributions(self, features: Features, horizon: int,
                       estimator: str = "auto") -> ContributionAnswer:

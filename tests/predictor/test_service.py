@@ -250,3 +250,26 @@ def test_no_input_causes_a_server_error(client, body, path):
     got = client.post(path, content=json.dumps(body, allow_nan=True),
                       headers={"content-type": "application/json"})
     assert got.status_code in (200, 413, 422), got.text
+
+
+def test_two_replicas_on_one_database_count_duplicates_and_share_model_version(database_url):
+    from predictor.service import PredictorService
+    from predictor.settings import Settings
+    from predictor.store import make_engine
+
+    replicas = []
+    for _ in range(2):
+        service = PredictorService(Settings(database_url=database_url),
+                                   make_engine(database_url))
+        service.load()
+        replicas.append(service)
+    a, b = replicas
+    batch = [{"request_id": f"x{i}", "prompt_key": None, "prompt_tokens": 10,
+              "output_tokens": 5 + i, "finish_reason": "stop"} for i in range(20)]
+    first = a.ingest(batch)
+    second = b.ingest(batch[10:] + [{**batch[0], "request_id": "new"}])
+    assert (first.accepted, first.duplicates) == (20, 0)
+    assert (second.accepted, second.duplicates) == (1, 10)
+    assert second.model_version == first.model_version + 1  # one global count of batches
+    for service in replicas:
+        service.engine.dispose()

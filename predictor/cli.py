@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--json", type=Path, default=None, help="write the result rows here")
     ab.add_argument("--predictor-url", default=None,
                     help="route BR-H through a running prediction service")
+    ab.add_argument("--sample", type=int, default=None,
+                    help="replay N requests drawn at random (seeded by --seed, kept in order)")
+    ab.add_argument("--peer", action="store_true",
+                    help="the BF-IO simulator's setting: --load backlog (the pool kept at the "
+                    "first 4G waiting requests), --batch 72, --step-cost 1.0052e-7,0.0048875")
     ab.add_argument("--run-tag", default=None,
                     help="prefix of request ids sent to --predictor-url (default: from the "
                     "clock, so repeated runs do not collide)")
@@ -195,9 +200,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The BF-IO simulator's setting (the same group's predecessor method): a saturated fleet of
+# B = 72 slots per worker, its step cost, and a window of the first 4G waiting requests.
+PEER_BATCH = 72
+PEER_STEP_COST = (1.0052e-7, 0.0048875)
+
+
 def cmd_ab(args: argparse.Namespace) -> int:
     abtest.validate_policies(args.policies)
+    if args.peer:
+        args.load, args.batch, args.step_cost = "backlog", PEER_BATCH, PEER_STEP_COST
     trace = load_trace(args.trace, args.format, args.requests)
+    if args.sample:
+        trace = trace.sample(args.sample, args.seed)
     config = SimConfig(
         batch=args.batch, load=args.load, step_cost=args.step_cost, horizon=args.horizon,
         refresh_steps=args.refresh_steps, seed=args.seed, record_trajectory=args.out is not None,

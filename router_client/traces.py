@@ -75,6 +75,22 @@ class Trace:
         )
 
 
+    def sample(self, n: int, seed: int = 0) -> Trace:
+        """``n`` requests drawn without replacement (seeded), kept in trace order."""
+        if n < 1:
+            raise TraceError(self.name, "--sample must be at least 1")
+        if n >= len(self):
+            return self
+        rows = np.sort(np.random.default_rng(seed).choice(len(self), size=n, replace=False))
+        return self.take(rows)
+
+    def take(self, rows: np.ndarray) -> Trace:
+        """The requests at ``rows`` (in that order)."""
+        return Trace(self.name, self.prompt_tokens[rows], self.output_tokens[rows],
+                     self.censored[rows], [self.prompt_keys[i] for i in rows.tolist()],
+                     None if self.arrival_s is None else self.arrival_s[rows])
+
+
 def key_of_text(text: str) -> str:
     """Prompt key of a text: xxh3_64 hex, as the service derives it."""
     return xxhash.xxh3_64_hexdigest(text.encode("utf-8"))

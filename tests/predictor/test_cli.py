@@ -127,3 +127,18 @@ def test_ab_brh_parameters_reach_the_policy(tmp_path):
 def test_ab_rejects_bad_parameters(capsys):
     assert main(["ab", "--trace", "synth:long:n=10", "--gamma", "0", "--quiet"]) == 1
     assert "gamma" in capsys.readouterr().err
+
+
+def test_ab_peer_setting_and_sampling(tmp_path):
+    from predictor.cli import main
+    from router_client.synth import synthesize
+
+    out = tmp_path / "rows.json"
+    assert main(["ab", "--trace", "synth:long:n=400,seed=3", "--sample", "150", "--peer",
+                 "--workers", "2", "--policies", "ltl,br0", "--quiet", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["batch"], r["requests"]) for r in rows] == [(72, 150), (72, 150)]
+    trace = synthesize("synth:long:n=400,seed=3")
+    picked = trace.sample(150, seed=0)
+    assert len(picked) == 150 and picked.sample(150, 0) is picked
+    assert set(picked.output_tokens.tolist()) <= set(trace.output_tokens.tolist())

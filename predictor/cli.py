@@ -91,25 +91,7 @@ def _policies(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="balanceroute",
-        description="Load balancing for barrier-synchronized data-parallel LLM decode fleets.",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
-    parser.add_argument("--version", action="version",
-                        version=f"balanceroute {package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="run the prediction service (FastAPI)",
-                           description="Run the prediction service.",
-                           epilog=settings_help(),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--database-url", default=None,
-                       help="SQLAlchemy URL (default: BALANCEROUTE_DATABASE_URL or SQLite)")
-
+def _add_ab(sub) -> None:
     ab = sub.add_parser("ab", help="A/B comparison of routing policies by trace replay")
     ab.add_argument("--trace", required=True,
                     help="trace file, or synth:long|templated|shift[:key=value,...]")
@@ -154,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "clock, so repeated runs do not collide)")
     ab.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
+
+def _add_tune(sub) -> None:
     tune = sub.add_parser("tune", help="which policy this workload should run: BR-0 or a BR-H "
                           "setting, by replaying the trace over a small grid")
     tune.add_argument("--trace", required=True,
@@ -175,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--json", type=Path, default=None, help="write the result here")
     tune.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
+
+def _add_bench(sub) -> argparse._SubParsersAction:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     router = bench_sub.add_parser("router", help="time full BR-H scheduling rounds")
@@ -194,7 +180,31 @@ def build_parser() -> argparse.ArgumentParser:
                                        help="time the calibration report over stored scores")
     calibration.add_argument("--scored", type=int, default=100_000)
     calibration.add_argument("--json", type=Path, default=None)
+    return bench_sub
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="balanceroute",
+        description="Load balancing for barrier-synchronized data-parallel LLM decode fleets.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("--version", action="version",
+                        version=f"balanceroute {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the prediction service (FastAPI)",
+                           description="Run the prediction service.",
+                           epilog=settings_help(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--database-url", default=None,
+                       help="SQLAlchemy URL (default: BALANCEROUTE_DATABASE_URL or SQLite)")
+
+    _add_ab(sub)
+    _add_tune(sub)
+    bench_sub = _add_bench(sub)
     sub.add_parser("demo", help="run the main job end to end on bundled data")
     add_serving_commands(sub, bench_sub)  # proxy, emulate, bench serve (proxy/cli.py)
     return parser

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sysconfig
 import time
+import tomllib
 import venv
 from pathlib import Path
 
@@ -20,7 +21,9 @@ import pytest
 from predictor.livesrv import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("pyproject.toml", "README.md", "predictor", "router_client", "models", "migrations")
+PACKAGES = [pattern.rstrip("*") for pattern in tomllib.loads(
+    (ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]]
+SOURCES = ("pyproject.toml", "README.md", *PACKAGES)
 
 
 def _copy_project(target: Path) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
@@ -38,12 +39,24 @@ def calibration(service: ServiceDep, metrics: MetricsDep, horizon: Horizon = Non
     return report
 
 
+PNG_CACHE_SIZE = 16
+
+
 @router.get("/calibration.png", responses={200: {"content": {"image/png": {}}}},
             response_class=Response)
-def calibration_png(service: ServiceDep, horizon: Horizon = None,
+def calibration_png(request: Request, service: ServiceDep, horizon: Horizon = None,
                     estimator: EstimatorFilter = None, window: Window = None) -> Response:
-    """The reliability diagram of the same data."""
+    """The reliability diagram of the same data. Drawing costs a good part of a CPU second,
+    so a diagram is drawn once per (query, scored predictions so far) and then served from a
+    small cache: repeated calls cost nothing until a new outcome is scored."""
     from ..plots import reliability_png  # matplotlib only when a diagram is asked for
 
-    report = service.calibration(horizon, _checked(estimator), window)
-    return Response(reliability_png(report), media_type="image/png")
+    cache: OrderedDict = request.app.state.__dict__.setdefault("png_cache", OrderedDict())
+    key = (horizon, _checked(estimator), window, service.tracker.scored.count)
+    png = cache.get(key)
+    if png is None:
+        png = reliability_png(service.calibration(horizon, estimator, window))
+        cache[key] = png
+        while len(cache) > PNG_CACHE_SIZE:
+            cache.popitem(last=False)
+    return Response(png, media_type="image/png")

@@ -242,6 +242,8 @@ def test_calibration_endpoint_shadow_scores_both_estimators(database_url):
         png = client.get("/v1/calibration.png")
         assert png.status_code == 200 and png.headers["content-type"] == "image/png"
         assert png.content[:8] == b"\x89PNG\r\n\x1a\n"
+        again = client.get("/v1/calibration.png")  # served from the cache: the same bytes
+        assert again.content == png.content
         assert client.get("/v1/calibration", params={"window": 0}).status_code == 422
         assert client.get("/v1/calibration", params={"estimator": "x"}).status_code == 422
         metrics = client.get("/metrics").text

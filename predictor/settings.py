@@ -30,7 +30,9 @@ class Settings(BaseSettings):
     api_token: str | None = None
     default_horizon: int = Field(80, ge=1, le=4096)
     auto_estimator: str = "exact_match"
-    exact_match_min_support: int = Field(8, ge=1)
+    exact_match_min_support: int = Field(1, ge=1)
+    exact_match_prior_weight: float = Field(1.0, ge=0.0)
+    exact_match_estimate_weight: bool = True
     history: int = Field(5000, ge=0)
     exact_match_max_buckets: int = Field(100_000, ge=1)
     exact_match_bucket_window: int = Field(256, ge=1)

@@ -33,9 +33,11 @@ register_estimator(EstimatorSpec(
 register_estimator(EstimatorSpec(
     "exact_match", lambda s: ExactMatchEstimator(
         window=s.history, min_support=s.exact_match_min_support,
-        max_buckets=s.exact_match_max_buckets, bucket_window=s.exact_match_bucket_window),
+        max_buckets=s.exact_match_max_buckets, bucket_window=s.exact_match_bucket_window,
+        prior_weight=s.exact_match_prior_weight,
+        estimate_weight=s.exact_match_estimate_weight),
     policy="brh-exactmatch",
-    description="a Kaplan-Meier curve per prompt key, Survival for keys with little history"))
+    description="a Kaplan-Meier curve per prompt key shrunk toward Survival by its support"))
 
 __all__ = [
     "PRIOR", "UNKNOWN_TOKENS", "BaseEstimator", "Estimate", "Estimator", "EstimatorSpec",

@@ -18,7 +18,7 @@ from router_client.predictors import Predictor
 from router_client.simulator import DEFAULT_STEP_COST, SimConfig
 from router_client.traces import FORMATS, Trace, load_trace
 
-from . import abtest
+from . import abtest, evaluate
 
 
 def bundled_trace() -> Path:
@@ -161,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibration.add_argument("--json", type=Path, default=None)
 
     sub.add_parser("demo", help="run the main job end to end on bundled data")
+    evaluate.add_parser(sub)
     return parser
 
 
@@ -290,6 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_ab(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "calibrate":
+            return evaluate.run(args)
         return cmd_demo(args)
     except BalanceRouteError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -15,6 +15,7 @@ from .base import (
     Outcomes,
 )
 from .exact_match import ExactMatchEstimator
+from .hazard import HazardEstimator
 from .registry import (
     EstimatorSpec,
     UnknownEstimatorError,
@@ -25,7 +26,6 @@ from .registry import (
     spec_for_policy,
     unregister_estimator,
 )
-from .hazard import HazardEstimator
 from .survival import SurvivalEstimator
 
 register_estimator(EstimatorSpec(
@@ -41,12 +41,15 @@ register_estimator(EstimatorSpec(
     description="a Kaplan-Meier curve per prompt key shrunk toward Survival by its support"))
 register_estimator(EstimatorSpec(
     "hazard", lambda s: HazardEstimator(
-        window=s.history or 5000, refit_every=s.hazard_refit_every, max_keys=s.exact_match_max_buckets),
-    description="discrete-time hazard model (gradient boosting) on prompt length and key statistics"))
+        window=s.history or 5000, refit_every=s.hazard_refit_every,
+        max_keys=s.exact_match_max_buckets),
+    description="discrete-time hazard model (gradient boosting) on prompt length and key "
+                "statistics"))
 
 __all__ = [
     "PRIOR", "UNKNOWN_TOKENS", "BaseEstimator", "Estimate", "Estimator", "EstimatorSpec",
-    "ExactMatchEstimator", "Features", "HazardEstimator", "NotFittedError", "Outcomes", "SurvivalEstimator",
+    "ExactMatchEstimator", "Features", "HazardEstimator", "NotFittedError", "Outcomes",
+    "SurvivalEstimator",
     "UnknownEstimatorError", "estimator_names", "estimator_spec", "estimator_specs",
     "register_estimator", "spec_for_policy", "unregister_estimator",
 ]

@@ -7,7 +7,7 @@ import pytest
 
 from predictor.cli import main
 from predictor.estimators import ExactMatchEstimator, Features, HazardEstimator, Outcomes
-from predictor.estimators.exact_match import K_MAX, estimate_prior_weight
+from predictor.estimators.exact_match import estimate_prior_weight, length_bin
 from predictor.estimators.hazard import bin_edges, person_period
 from predictor.estimators.km import KaplanMeier, residual_life
 
@@ -36,22 +36,27 @@ def test_shrinkage_is_the_global_curve_at_n_zero_and_the_bucket_as_n_grows():
             np.testing.assert_allclose(answer.c_hat, residual_life(survival, generated, 40).c_hat)
 
 
-def test_empirical_bayes_weight_follows_between_and_within_key_variance():
+def _urn_sequences(k, keys, per_key, rng):
+    """Blackwell-MacQueen urn: each key's lengths are a draw from DP(k, lognormal)."""
+    out = []
+    for _ in range(keys):
+        seq = []
+        for i in range(per_key):
+            if rng.random() < k / (k + i):
+                seq.append(int(length_bin(np.array([rng.lognormal(5, 1)]))[0]))
+            else:
+                seq.append(seq[rng.integers(0, i)])
+        out.append(seq)
+    return out
+
+
+def test_empirical_bayes_weight_recovers_the_dirichlet_concentration():
     rng = np.random.default_rng(1)
-
-    def stats(between, within):
-        out = []
-        for centre in rng.normal(5, between, 200):
-            values = rng.normal(centre, within, 6)
-            out.append((6, values.sum(), (values**2).sum()))
-        return out
-
-    tight = estimate_prior_weight(stats(1.0, 0.25))  # k ~ 0.0625
-    loose = estimate_prior_weight(stats(0.25, 1.0))  # k ~ 16
-    assert tight is not None and loose is not None
-    assert 0.03 < tight < 0.12 and 8 < loose < 32
-    assert estimate_prior_weight(stats(0.0, 1.0)) == pytest.approx(K_MAX, rel=0.9)
-    assert estimate_prior_weight([(1, 5.0, 25.0)] * 50) is None  # no repeated keys yet
+    for k in (0.5, 5.0, 50.0):
+        estimate = estimate_prior_weight(_urn_sequences(k, 300, 8, rng))
+        assert estimate is not None and k / 2 < estimate < k * 2
+    assert estimate_prior_weight([[3]] * 50) is None  # no repeated keys yet
+    assert estimate_prior_weight(_urn_sequences(1e6, 300, 8, rng)) > 100
 
 
 def test_person_period_rows():

@@ -19,7 +19,7 @@ from router_client.predictors import Predictor
 from router_client.simulator import DEFAULT_STEP_COST, SimConfig
 from router_client.traces import FORMATS, Trace, load_trace
 
-from . import abtest
+from . import abtest, evaluate
 
 
 def bundled_trace() -> Path:
@@ -206,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tune(sub)
     bench_sub = _add_bench(sub)
     sub.add_parser("demo", help="run the main job end to end on bundled data")
+    evaluate.add_parser(sub)
     add_serving_commands(sub, bench_sub)  # proxy, emulate, bench serve (proxy/cli.py)
     return parser
 
@@ -427,6 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command == "tune":
             return cmd_tune(args)
+        if args.command == "calibrate":
+            return evaluate.run(args)
         return cmd_demo(args)
     except BalanceRouteError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -16,7 +16,12 @@ class Settings(BaseSettings):
     ``auto_estimator``: the registered estimator that answers ``estimator: "auto"`` queries
     (and whose loss the drift detector watches).
     ``exact_match_min_support``: a prompt key's bucket answers once it holds this many
-    observations (8: below that, a per-key curve is noisier than the global one).
+    observations (1: the blend with the global curve takes care of thin buckets).
+    ``exact_match_prior_weight``: the weight ``k`` (in observations) of the global curve in a
+    key's blend until it can be estimated (``exact_match_estimate_weight``: by empirical Bayes,
+    see :mod:`predictor.estimators.exact_match`).
+    ``hazard_refit_every``: at most this many new observations between two fits of the hazard
+    model (on the most recent ``history`` observations, 5000 when ``history`` is 0).
     ``calibration_sample_rate``: share of contribution items whose predictions are kept for
     scoring (deterministic by request and tokens generated); ``calibration_capacity``: scored
     predictions kept (memory and database); ``drift_length_effect``, ``drift_loss_effect``,
@@ -30,7 +35,10 @@ class Settings(BaseSettings):
     api_token: str | None = None
     default_horizon: int = Field(80, ge=1, le=4096)
     auto_estimator: str = "exact_match"
-    exact_match_min_support: int = Field(8, ge=1)
+    exact_match_min_support: int = Field(1, ge=1)
+    exact_match_prior_weight: float = Field(1.0, ge=0.0)
+    exact_match_estimate_weight: bool = True
+    hazard_refit_every: int = Field(1000, ge=1)
     history: int = Field(5000, ge=0)
     exact_match_max_buckets: int = Field(100_000, ge=1)
     exact_match_bucket_window: int = Field(256, ge=1)

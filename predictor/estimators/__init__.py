@@ -15,6 +15,7 @@ from .base import (
     Outcomes,
 )
 from .exact_match import ExactMatchEstimator
+from .hazard import HazardEstimator
 from .registry import (
     EstimatorSpec,
     UnknownEstimatorError,
@@ -33,13 +34,22 @@ register_estimator(EstimatorSpec(
 register_estimator(EstimatorSpec(
     "exact_match", lambda s: ExactMatchEstimator(
         window=s.history, min_support=s.exact_match_min_support,
-        max_buckets=s.exact_match_max_buckets, bucket_window=s.exact_match_bucket_window),
+        max_buckets=s.exact_match_max_buckets, bucket_window=s.exact_match_bucket_window,
+        prior_weight=s.exact_match_prior_weight,
+        estimate_weight=s.exact_match_estimate_weight),
     policy="brh-exactmatch",
-    description="a Kaplan-Meier curve per prompt key, Survival for keys with little history"))
+    description="a Kaplan-Meier curve per prompt key shrunk toward Survival by its support"))
+register_estimator(EstimatorSpec(
+    "hazard", lambda s: HazardEstimator(
+        window=s.history or 5000, refit_every=s.hazard_refit_every,
+        max_keys=s.exact_match_max_buckets),
+    description="discrete-time hazard model (gradient boosting) on prompt length and key "
+                "statistics"))
 
 __all__ = [
     "PRIOR", "UNKNOWN_TOKENS", "BaseEstimator", "Estimate", "Estimator", "EstimatorSpec",
-    "ExactMatchEstimator", "Features", "NotFittedError", "Outcomes", "SurvivalEstimator",
+    "ExactMatchEstimator", "Features", "HazardEstimator", "NotFittedError", "Outcomes",
+    "SurvivalEstimator",
     "UnknownEstimatorError", "estimator_names", "estimator_spec", "estimator_specs",
     "register_estimator", "spec_for_policy", "unregister_estimator",
 ]

@@ -147,11 +147,39 @@ def residual_life(survival: np.ndarray | ResidualTable, generated: np.ndarray,
     generated = np.asarray(generated, dtype=np.int64)
     extended, prefix, tail = table.extended, table.prefix, table.tail
     at = np.minimum(generated, tail)  # flat beyond the curve: tail index is as good as any
-    s_now = extended[at]
+    return residual_from_terms(extended[at], extended[at + horizon],
+                               prefix[at + horizon] - prefix[at], horizon)
+
+
+def curve_terms(survival: np.ndarray, prefix: np.ndarray, generated: np.ndarray,
+                horizon: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``S(a)``, ``S(a+H)`` and ``sum_{h<H} S(a+h)`` on a curve taken as flat past its end.
+
+    ``prefix`` is ``[0, cumsum(survival)]``. Unlike :class:`ResidualTable` nothing is padded,
+    so a curve costs only its own length (ExactMatch keeps one per prompt key). The three
+    terms are linear in the curve, so the terms of a mixture of curves are the mixture of
+    their terms (how ExactMatch blends a key's curve with the global one).
+    """
+    tail = survival.shape[0] - 1
+    last = survival[-1]
+    generated = np.asarray(generated, dtype=np.int64)
+
+    def cumulative(upto: np.ndarray) -> np.ndarray:  # sum_{t < upto} S(t)
+        inside = np.minimum(upto, tail + 1)
+        return prefix[inside] + (upto - inside) * last
+
+    s_now = survival[np.minimum(generated, tail)]
+    s_end = survival[np.minimum(generated + horizon, tail)]
+    return s_now, s_end, cumulative(generated + horizon) - cumulative(generated)
+
+
+def residual_from_terms(s_now: np.ndarray, s_end: np.ndarray, area: np.ndarray,
+                        horizon: int) -> ResidualLife:
+    """Residual life from ``S(a)``, ``S(a+H)`` and ``sum_{h<H} S(a+h)`` (see the module)."""
     known = s_now > 0
     safe = np.where(known, s_now, 1.0)
-    c_hat = np.where(known, (prefix[at + horizon] - prefix[at]) / safe, float(horizon))
-    p_fin = np.where(known, 1.0 - extended[at + horizon] / safe, 0.0)
+    c_hat = np.where(known, area / safe, float(horizon))
+    p_fin = np.where(known, 1.0 - s_end / safe, 0.0)
     c_hat = np.clip(c_hat, 0.0, float(horizon))
     p_fin = np.clip(p_fin, 0.0, 1.0)
     with np.errstate(invalid="ignore", divide="ignore"):

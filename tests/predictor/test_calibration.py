@@ -225,8 +225,9 @@ def test_calibration_endpoint_shadow_scores_both_estimators(database_url):
             _drive(client, rng, 40, [3, 60], start=round_ * 40)
         report = client.get("/v1/calibration").json()
         by_name = {e["estimator"]: e for e in report["estimators"]}
-        assert set(by_name) == {"survival", "exact_match"}
+        assert set(by_name) == {"survival", "exact_match", "hazard"}  # every registered one
         assert by_name["survival"]["scored"] == by_name["exact_match"]["scored"] > 0
+        assert by_name["hazard"]["scored"] == by_name["survival"]["scored"]
         # ExactMatch knows which key is short: it must be better calibrated than Survival
         assert by_name["exact_match"]["brier"] < by_name["survival"]["brier"]
         assert by_name["exact_match"]["exact_match_hit_rate"] > 0.5

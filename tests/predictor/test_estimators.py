@@ -116,11 +116,13 @@ def test_no_history_gives_the_prior():
 
 
 def test_exact_match_uses_buckets_with_support_and_falls_back():
-    est = ExactMatchEstimator(window=0, min_support=3)
+    est = ExactMatchEstimator(window=0, min_support=3, prior_weight=1.0, estimate_weight=False)
     est.partial_fit(Outcomes.of([5, 5, 5, 100, 100], prompt_key=["a", "a", "a", "b", "b"]))
     answer = est.predict(Features.of([0, 0, 0, 0], ["a", "b", None, "zzz"]), 80)
     assert answer.source == [EXACT_MATCH, SURVIVAL, SURVIVAL, SURVIVAL]
-    assert answer.c_hat[0] == pytest.approx(5.0)  # bucket a: always 5 tokens
+    # bucket a (always 5 tokens): c = 5; global: 5 + 75 * 0.4 = 35; blended 3:1 -> 12.5
+    assert answer.c_hat[0] == pytest.approx((3 * 5 + 1 * 35) / 4)
+    assert answer.c_hat[1] == pytest.approx(35.0)
     assert list(answer.support) == [3, 5, 5, 5]
 
 

@@ -70,7 +70,9 @@ def test_exact_match_with_support_else_survival(tmp_path):
                  {"request_id": "3", "prompt": "some text", "generated_tokens": 0}]
         auto = c.post("/v1/contributions", json={"items": items}).json()["items"]
         assert [i["estimator"] for i in auto] == ["exact_match", "survival", "survival"]
-        assert auto[0]["c_hat"] == pytest.approx(5.0) and auto[0]["support"] == 3
+        # the key's curve (always 5) shrunk toward the global one (5 + 45 * 0.5) with k = 1
+        assert auto[0]["c_hat"] == pytest.approx((3 * 5 + 27.5) / 4)
+        assert auto[0]["support"] == 3
         surv = c.post("/v1/contributions", json={"items": items, "estimator": "survival"})
         assert {i["estimator"] for i in surv.json()["items"]} == {"survival"}
         assert c.get("/v1/status").json()["buckets"] == 1

@@ -3,7 +3,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from predictor.estimators import SurvivalEstimator
+from predictor.estimators import ExactMatchEstimator, HazardEstimator, SurvivalEstimator
 from predictor.estimators.in_process import LearnerPredictor
 from router_client.errors import ContractError, ParameterError
 from router_client.policies import make_policy
@@ -93,9 +93,9 @@ def test_backlog_keeps_the_pool_topped_up_and_everything_completes():
 class RecordingPredictor:
     """Wraps a learner and records every answer it gives."""
 
-    def __init__(self):
-        self.inner = LearnerPredictor(SurvivalEstimator(window=0))
-        self.name = "survival"
+    def __init__(self, estimator=None):
+        self.inner = LearnerPredictor(estimator or SurvivalEstimator(window=0))
+        self.name = self.inner.name
         self.answers = []
 
     def predict(self, batch, horizon):
@@ -107,11 +107,21 @@ class RecordingPredictor:
         self.inner.observe(finished)
 
 
-def test_no_peeking_learners_depend_only_on_finished_requests():
-    trace = synthesize("synth:long:n=400,seed=2")
+LEARNERS = {
+    "survival": lambda: SurvivalEstimator(window=0),
+    "exact_match": lambda: ExactMatchEstimator(window=0, refresh_every=20),
+    "hazard": lambda: HazardEstimator(min_fit=30, refit_every=60, max_iter=20),
+}
+
+
+@pytest.mark.parametrize("learner, spec", [("survival", "synth:long:n=400,seed=2"),
+                                           ("exact_match", "synth:templated:n=400,seed=2"),
+                                           ("hazard", "synth:templated:n=400,seed=2")])
+def test_no_peeking_learners_depend_only_on_finished_requests(learner, spec):
+    trace = synthesize(spec)
     # backlog: arrivals do not depend on output lengths (a numeric load rescales by their mean)
     config = SimConfig(workers=2, batch=8, load="backlog", horizon=40, refresh_steps=5)
-    first = RecordingPredictor()
+    first = RecordingPredictor(LEARNERS[learner]())
     result = simulate(trace, make_policy("brh-survival"), config, first)
     k = int(np.median(result.finish_step))
     k -= k % 5  # a refresh step
@@ -120,8 +130,10 @@ def test_no_peeking_learners_depend_only_on_finished_requests():
     changed = dataclasses.replace(
         trace, output_tokens=np.where(unfinished, trace.output_tokens + 500, trace.output_tokens)
     )
-    second = RecordingPredictor()
+    second = RecordingPredictor(LEARNERS[learner]())
     simulate(changed, make_policy("brh-survival"), config, second)
+    if learner == "hazard":  # the model was refit before step k, so it is what answered
+        assert first.inner.estimator.n_fits_ >= 2
     refreshes_before_k = k // 5 + 1
     assert len(first.answers) > refreshes_before_k
     for (ids_a, c_a), (ids_b, c_b) in zip(
@@ -136,8 +148,8 @@ def test_no_peeking_learners_depend_only_on_finished_requests():
 
     ids = np.flatnonzero(unfinished)[:5]
     batch = ActiveBatch(ids, trace.prompt_tokens[ids], np.zeros(5, int), [None] * 5)
-    assert not np.array_equal(oracle_a.predict(batch, 2000).c_hat,
-                              oracle_b.predict(batch, 2000).c_hat)
+    assert not np.array_equal(oracle_a.predict(batch, 8000).c_hat,
+                              oracle_b.predict(batch, 8000).c_hat)
 
 
 def test_brh_fallback_steps_counted_without_predictor():

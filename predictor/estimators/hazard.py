@@ -1,0 +1,364 @@
+"""Hazard: a feature-conditional, censoring-aware discrete-time hazard model (scikit-learn).
+
+Output lengths are cut into log-spaced bins (``bins_per_octave`` per doubling: 0, 1, 2, 3, 4,
+5, 6, 8, 10, 12, 16, ...). Each finished request becomes one row per bin it reached (the
+person-period expansion): target 1 in the bin it ended in, 0 in the bins it survived. A
+censored request (cut, cancelled, failed) contributes only the bins it survived entirely, so
+right-censoring is handled as Kaplan-Meier handles it, and an unfinished length is never
+taken for an end. A :class:`~sklearn.ensemble.HistGradientBoostingClassifier` (log loss)
+learns the bin hazard ``q_b(x) = P(end in bin b | reached b, x)`` from
+
+- the bin (log of its first token),
+- ``log1p(prompt_tokens)`` (-1 when unknown, below every known value: trees split it off),
+- the prompt key's count of earlier observations (``log1p``) and its shrunk mean log output
+  relative to the global mean ``g``, ``(sum - n * g) / (n + m0)`` over its earlier ended
+  observations (``m0 = 1``; 0 for a new key, so the feature does not drift with ``g``), both
+  as known *before* the observation (in finishing order), as they are at prediction,
+- the bin's position relative to the key's shrunk mean (``log1p(e_b) - (g + deviation)``):
+  where a key's lengths concentrate, the hazard is a diagonal function of bin and key mean,
+  which trees on the two raw axes only approximate by staircases,
+
+and their interactions (trees). Within a bin the per-token hazard is constant, so a request's
+survival curve is piecewise geometric::
+
+    S(t) = prod_{j < b} (1 - q_j) * (1 - q_b) ** ((t - e_b + 1) / w_b)   for e_b <= t < e_{b+1}
+
+Bins past the longest one seen in training keep the last trained per-token hazard. ``c_hat``,
+``p_fin`` and ``mu_rem`` follow from ``S(a)``, ``S(a+H)`` and ``sum_{h<H} S(a+h)`` (geometric
+sums in closed form) conditioned on the tokens generated, as for Kaplan-Meier
+(:func:`~predictor.estimators.km.residual_from_terms`).
+
+Online in mini-batches, deterministically: outcomes are buffered in a sliding window of the
+most recent ``window`` observations and the model is refit from scratch when enough new ones
+arrived: first at ``min_fit`` observations, then whenever the new ones reach the number seen at
+the last fit, capped at ``refit_every`` (fits at 250, 500, 1000, 2000, then every 1000). The
+booster has no early stopping and a fixed seed, so a replay (the simulator, a restarted service
+rebuilding from its database batch by batch) fits the same models. Before the first fit the
+window's Kaplan-Meier curve (:class:`~predictor.estimators.survival.SurvivalEstimator`)
+answers. A fit costs about a second on 5000 observations; it runs in ``partial_fit``.
+
+Prediction is cheap: curves are computed per distinct (quantized prompt length, key
+statistics) group and cached until the next fit, so a refresh of 1,024 requests mostly reads
+the cache (see the README for the measured cost).
+
+Calibration: the booster minimizes log loss per bin, whose probabilities are close to
+calibrated where it has data; ``p_fin`` is a product of them. Measured on the shadow replays
+(``balanceroute calibrate``), see the README.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from typing import Self
+
+import numpy as np
+from sklearn.ensemble import HistGradientBoostingClassifier
+from threadpoolctl import threadpool_limits
+
+from .base import BaseEstimator, Estimate, Features, Outcomes
+from .km import residual_from_terms
+from .survival import SurvivalEstimator
+
+MAX_TOKENS = 1 << 20
+KEY_PRIOR = 1.0  # m0: pseudo-observations of the global mean in a key's shrunk mean
+PROMPT_QUANTUM = 0.05  # log1p(prompt) quantum of the prediction groups (5% of length)
+MEAN_QUANTUM = 0.02
+MAX_CACHED_GROUPS = 65_536
+UNKNOWN_PROMPT = -1.0  # log1p(prompt) of an unknown prompt length (real values are >= 0)
+
+
+def bin_edges(per_octave: int, top: int = MAX_TOKENS) -> np.ndarray:
+    """Log-spaced bin starts: 0, then ``floor(2 ** (i / per_octave))`` deduplicated."""
+    steps = int(np.ceil(np.log2(top) * per_octave)) + 1
+    starts = np.floor(2.0 ** (np.arange(steps) / per_octave)).astype(np.int64)
+    return np.unique(np.concatenate([[0], starts[starts <= top]]))
+
+
+def person_period(durations: np.ndarray, events: np.ndarray, edges: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of the discrete-time expansion: (observation index, bin, ended in that bin).
+
+    An ended observation of length ``o`` reaches the bins up to the one holding ``o`` and ends
+    in it; a censored one (``o' > o``) contributes the bins it survived entirely."""
+    holding = np.searchsorted(edges, durations, side="right") - 1
+    survived_all = np.searchsorted(edges, durations + 1, side="right") - 1  # bins ending <= o
+    count = np.where(events, holding + 1, survived_all)
+    owner = np.repeat(np.arange(durations.size), count)
+    starts = np.cumsum(count) - count
+    bins = np.arange(owner.size) - np.repeat(starts, count)
+    target = events[owner] & (bins == holding[owner])
+    return owner, bins, target
+
+
+class KeyStats:
+    """Per-key count and sum of ended log lengths, bounded (least recently updated evicted)."""
+
+    def __init__(self, max_keys: int) -> None:
+        self.max_keys = max_keys
+        self.table: OrderedDict[str, list[float]] = OrderedDict()
+        self.ended = 0
+        self.total = 0.0
+
+    @property
+    def global_mean(self) -> float:
+        return self.total / self.ended if self.ended else 0.0
+
+    def features(self, key: str | None) -> tuple[float, float, float]:
+        """(log1p(count), shrunk mean log1p(output) less the global mean ``g``, and the shrunk
+        mean itself) of a key as of now: ``(sum - n * g) / (n + m0)`` is 0 for a key never
+        seen (nothing known beyond ``g``)."""
+        g = self.global_mean
+        stats = self.table.get(key) if key is not None else None
+        if stats is None:
+            return 0.0, 0.0, g
+        count, ended, total = stats
+        deviation = (total - ended * g) / (ended + KEY_PRIOR)
+        return math.log1p(count), deviation, g + deviation
+
+    def add(self, key: str | None, output: int, ended: bool) -> None:
+        value = float(np.log1p(output))
+        if ended:
+            self.ended += 1
+            self.total += value
+        if key is None:
+            return
+        stats = self.table.get(key)
+        if stats is None:
+            stats = self.table[key] = [0.0, 0.0, 0.0]
+            if len(self.table) > self.max_keys:
+                self.table.popitem(last=False)
+        else:
+            self.table.move_to_end(key)
+        stats[0] += 1
+        if ended:
+            stats[1] += 1
+            stats[2] += value
+
+
+class Curves:
+    """Piecewise-geometric survival curves of a set of groups (rows), one value per bin."""
+
+    def __init__(self, hazard: np.ndarray, edges: np.ndarray, trained_bins: int) -> None:
+        widths = np.diff(np.concatenate([edges, [2 * MAX_TOKENS]])).astype(np.float64)
+        hazard = np.clip(hazard, 1e-9, 1 - 1e-9)
+        log_rate = np.log1p(-hazard) / widths  # per-token log survival in each bin
+        last = max(trained_bins - 1, 0)
+        log_rate[:, last + 1:] = log_rate[:, last:last + 1]
+        self.edges = edges
+        self.log_rate = log_rate
+        per_bin = log_rate * widths
+        self.log_start = np.concatenate(  # log S(e_b - 1): survival to the bin's start
+            [np.zeros((hazard.shape[0], 1)), np.cumsum(per_bin, axis=1)[:, :-1]], axis=1)
+        full = np.exp(self.log_start) * _geometric(log_rate, widths)
+        self.area_before = np.concatenate(
+            [np.zeros((hazard.shape[0], 1)), np.cumsum(full, axis=1)[:, :-1]], axis=1)
+
+    def terms(self, group: np.ndarray, generated: np.ndarray, horizon: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``S(a)``, ``S(a+H)``, ``sum_{h<H} S(a+h)`` for items of the given groups."""
+        return (self.survival(group, generated), self.survival(group, generated + horizon),
+                self.area(group, generated + horizon) - self.area(group, generated))
+
+    def _locate(self, group: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        b = np.searchsorted(self.edges, t, side="right") - 1
+        return b, (t - self.edges[b]).astype(np.float64)
+
+    def survival(self, group: np.ndarray, t: np.ndarray) -> np.ndarray:
+        b, into = self._locate(group, t)
+        return np.exp(self.log_start[group, b] + (into + 1) * self.log_rate[group, b])
+
+    def area(self, group: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """``sum_{u < t} S(u)``."""
+        b, into = self._locate(group, t)
+        partial = np.exp(self.log_start[group, b]) * _geometric(self.log_rate[group, b], into)
+        return self.area_before[group, b] + partial
+
+
+def _geometric(log_rate: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """``sum_{j=1}^{count} r ** j`` with ``r = exp(log_rate)`` (``count`` where r is 1)."""
+    flat = log_rate > -1e-12
+    safe = np.where(flat, -1.0, log_rate)
+    value = np.exp(safe) * np.expm1(count * safe) / np.expm1(safe)
+    return np.where(flat, count, value)
+
+
+class HazardEstimator(BaseEstimator):
+    """Discrete-time hazard model on prompt length and key statistics (see the module).
+
+    Args:
+        window: observations the model is fit on (the most recent).
+        refit_every: at most this many new observations between fits.
+        min_fit: observations before the first fit (Survival answers until then).
+        bins_per_octave: length bins per doubling.
+        max_keys: bound on the keys whose statistics are kept.
+        max_iter, max_leaf_nodes, min_samples_leaf, learning_rate: the booster's.
+    """
+
+    name = "hazard"
+
+    def __init__(self, window: int = 5000, refit_every: int = 1000, min_fit: int = 250,
+                 bins_per_octave: int = 3, max_keys: int = 100_000, max_iter: int = 100,
+                 max_leaf_nodes: int = 15, min_samples_leaf: int = 40,
+                 learning_rate: float = 0.1) -> None:
+        if window < 1 or refit_every < 1 or min_fit < 1:
+            raise ValueError("window, refit_every and min_fit must be >= 1")
+        if bins_per_octave < 1:
+            raise ValueError("bins_per_octave must be >= 1")
+        self.window = window
+        self.refit_every = refit_every
+        self.min_fit = min_fit
+        self.bins_per_octave = bins_per_octave
+        self.max_keys = max_keys
+        self.max_iter = max_iter
+        self.max_leaf_nodes = max_leaf_nodes
+        self.min_samples_leaf = min_samples_leaf
+        self.learning_rate = learning_rate
+        self.reset()
+
+    def reset(self) -> Self:
+        self.edges_ = bin_edges(self.bins_per_octave)
+        self.fallback_ = SurvivalEstimator(self.window)
+        self.keys_ = KeyStats(self.max_keys)
+        # (log1p prompt or -1, log1p key count, key shrunk mean, output, ended) per observation
+        self.buffer_: deque[tuple[float, float, float, float, int, bool]] = deque(
+            maxlen=self.window)
+        self.model_: HistGradientBoostingClassifier | None = None
+        self.trained_bins_ = 0
+        self.n_fitted_ = 0
+        self.n_fits_ = 0
+        self._since_fit = 0
+        self._cache: dict[int, int] = {}  # group code -> group id
+        self._rows: dict[int, np.ndarray] = {}  # group code -> its features, for re-warming
+        self._curves: list[Curves] = []
+        return self
+
+    @property
+    def n_observed_(self) -> int:
+        return self.fallback_.n_observed_
+
+    def partial_fit(self, outcomes: Outcomes) -> Self:
+        self.fallback_.partial_fit(outcomes)
+        prompts = _log_prompt(outcomes.prompt_tokens).tolist()
+        ended = outcomes.events.tolist()
+        for i, output in enumerate(outcomes.output_tokens.tolist()):
+            key = outcomes.prompt_key[i]
+            count, deviation, center = self.keys_.features(key)
+            self.buffer_.append((prompts[i], count, deviation, center, output, ended[i]))
+            self.keys_.add(key, output, ended[i])
+        self._since_fit += len(outcomes)
+        due = min(self.refit_every, max(self.min_fit, self.n_fitted_))
+        if self._since_fit >= due and len(self.buffer_) >= self.min_fit:
+            self._fit()
+        return self
+
+    def _fit(self) -> None:
+        data = np.asarray([row[:4] for row in self.buffer_], dtype=np.float64)
+        durations = np.fromiter((row[4] for row in self.buffer_), np.int64, len(self.buffer_))
+        events = np.fromiter((row[5] for row in self.buffer_), bool, len(self.buffer_))
+        owner, bins, target = person_period(np.minimum(durations, MAX_TOKENS), events,
+                                            self.edges_)
+        if target.all() or not target.any():
+            return  # one class only: nothing a classifier can learn yet
+        model = HistGradientBoostingClassifier(
+            max_iter=self.max_iter, learning_rate=self.learning_rate,
+            max_leaf_nodes=self.max_leaf_nodes, min_samples_leaf=self.min_samples_leaf,
+            early_stopping=False, random_state=0)
+        with threadpool_limits(1):  # deterministic, and no oversubscription of shared cores
+            model.fit(self._design(bins, data[owner]), target)
+        self.model_ = model
+        self.trained_bins_ = int(bins.max()) + 1
+        self.n_fitted_ = len(self.buffer_)
+        self.n_fits_ += 1
+        self._since_fit = 0
+        previous = self._rows
+        self._cache, self._curves, self._rows = {}, [], {}
+        self._rewarm(previous)
+
+    def _design(self, bins: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        position = np.log1p(self.edges_[bins].astype(np.float64))
+        return np.column_stack([position, rows[:, :3], position - rows[:, 3]])
+
+    def predict(self, features: Features, horizon: int) -> Estimate:
+        if self.model_ is None:
+            return self.fallback_.predict(features, horizon)
+        n = len(features)
+        group = self._groups(features)
+        s_now, s_end, area = np.empty(n), np.empty(n), np.empty(n)
+        chunk = group >> CHUNK_BITS
+        for c in np.unique(chunk).tolist():
+            rows = np.flatnonzero(chunk == c)
+            s_now[rows], s_end[rows], area[rows] = self._curves[c].terms(
+                group[rows] & (CHUNK - 1), features.generated[rows], horizon)
+        life = residual_from_terms(s_now, s_end, area, horizon)
+        return Estimate(life.c_hat, life.p_fin, life.mu_rem, [self.name] * n,
+                        np.full(n, self.n_fitted_, dtype=np.int64))
+
+    def _group_features(self, features: Features) -> tuple[np.ndarray, np.ndarray]:
+        """Each item's quantized (prompt, key count, key mean) and its integer code."""
+        index: dict[str | None, int] = {}
+        key_ids = np.fromiter((index.setdefault(k, len(index)) for k in features.prompt_key),
+                              np.int64, len(features))
+        stats = np.array([self.keys_.features(k) for k in index], dtype=np.float64)
+        stats = stats.reshape(-1, 3)[key_ids]
+        prompt = np.round(_log_prompt(features.prompt_tokens) / PROMPT_QUANTUM).astype(np.int64)
+        prompt = np.clip(prompt, -20, 959)
+        count = np.clip(np.round(stats[:, 0] * 100).astype(np.int64), 0, 4095)
+        deviation = np.clip(np.round(stats[:, 1] / MEAN_QUANTUM).astype(np.int64), -2048, 2047)
+        center = np.clip(np.round(stats[:, 2] / MEAN_QUANTUM).astype(np.int64), 0, 4095)
+        code = ((prompt + 64) << 36) | (count << 24) | ((deviation + 2048) << 12) | center
+        rows = np.column_stack([prompt * PROMPT_QUANTUM, count / 100, deviation * MEAN_QUANTUM,
+                                center * MEAN_QUANTUM])
+        return rows, code
+
+    def _groups(self, features: Features) -> np.ndarray:
+        """Each item's group id in the cache, computing curves for groups not yet cached."""
+        rows, code = self._group_features(features)
+        unique, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+        ids = np.empty(unique.size, dtype=np.int64)
+        missing = []
+        for j, value in enumerate(unique.tolist()):
+            got = self._cache.get(value)
+            if got is None:
+                missing.append(j)
+            else:
+                ids[j] = got
+        if missing:
+            ids[missing] = self._add_groups(unique[missing], rows[first[missing]])
+        return ids[inverse]
+
+    def _add_groups(self, codes: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        if self.model_ is None:
+            raise RuntimeError("no model to compute curves with")
+        if len(self._cache) + codes.size > MAX_CACHED_GROUPS:
+            self._cache, self._curves, self._rows = {}, [], {}
+        trained = self.trained_bins_
+        design = self._design(np.tile(np.arange(trained), codes.size),
+                              np.repeat(rows, trained, axis=0))
+        with threadpool_limits(1):
+            hazard = self.model_.predict_proba(design)[:, 1].reshape(codes.size, trained)
+        padded = np.pad(hazard, ((0, 0), (0, self.edges_.size - trained)), mode="edge")
+        self._curves.append(Curves(padded, self.edges_, trained))
+        ids = (len(self._curves) - 1) * CHUNK + np.arange(codes.size, dtype=np.int64)
+        for code, gid, row in zip(codes.tolist(), ids.tolist(), rows, strict=True):
+            self._cache[code] = gid
+            self._rows[code] = row
+        return ids
+
+    def _rewarm(self, previous: dict[int, np.ndarray]) -> None:
+        """After a fit, compute the curves of the most recent groups asked before it, so the
+        first queries after a fit do not pay for them."""
+        recent = list(previous.items())[-WARM_GROUPS:]
+        if recent:
+            self._add_groups(np.array([c for c, _ in recent], dtype=np.int64),
+                             np.array([r for _, r in recent]))
+
+
+CHUNK_BITS = 20
+CHUNK = 1 << CHUNK_BITS  # group id = chunk index * CHUNK + row in that chunk's Curves
+WARM_GROUPS = 2048
+
+
+def _log_prompt(tokens: np.ndarray) -> np.ndarray:
+    tokens = np.asarray(tokens, dtype=np.float64)
+    return np.where(tokens >= 0, np.log1p(np.maximum(tokens, 0.0)), UNKNOWN_PROMPT)

@@ -1,0 +1,138 @@
+"""Shrunk ExactMatch, the hazard model, and the offline calibration command."""
+
+import json
+
+import numpy as np
+import pytest
+
+from predictor.cli import main
+from predictor.estimators import ExactMatchEstimator, Features, HazardEstimator, Outcomes
+from predictor.estimators.exact_match import estimate_prior_weight, length_bin
+from predictor.estimators.hazard import bin_edges, person_period
+from predictor.estimators.km import KaplanMeier, residual_life
+
+
+def test_shrinkage_is_the_global_curve_at_n_zero_and_the_bucket_as_n_grows():
+    rng = np.random.default_rng(0)
+    others = rng.integers(1, 300, 400)
+    generated = np.array([0, 5, 11])  # within the key's lengths (past them the global
+    # part of the blend answers alone: a request outlived all the key's observations)
+    for n, tolerance in [(1, None), (20000, 0.05)]:
+        est = ExactMatchEstimator(window=0, bucket_window=n, prior_weight=4.0,
+                                  estimate_weight=False)
+        est.partial_fit(Outcomes.of(others))
+        est.partial_fit(Outcomes.of(np.full(n, 12), prompt_key=["k"] * n))
+        answer = est.predict(Features.of(generated, ["k"] * 3), 40)
+        unseen = est.predict(Features.of(generated, ["never"] * 3), 40)
+        key = residual_life(KaplanMeier().fit(np.full(n, 12), np.ones(n, bool)).survival_,
+                            generated, 40)
+        glob = residual_life(est.fallback_.curve_.survival_, generated, 40)
+        np.testing.assert_allclose(unseen.c_hat, glob.c_hat)  # n = 0: the global curve
+        if tolerance is not None:  # n -> inf: the bucket
+            np.testing.assert_allclose(answer.c_hat, key.c_hat, atol=tolerance)
+        else:  # n = 1, k = 4: one part bucket, four parts global, on the curve
+            survival = (1 * KaplanMeier().fit([12], [True]).survival_at(np.arange(400))
+                        + 4 * est.fallback_.curve_.survival_at(np.arange(400))) / 5
+            np.testing.assert_allclose(answer.c_hat, residual_life(survival, generated, 40).c_hat)
+
+
+def _urn_sequences(k, keys, per_key, rng):
+    """Blackwell-MacQueen urn: each key's lengths are a draw from DP(k, lognormal)."""
+    out = []
+    for _ in range(keys):
+        seq = []
+        for i in range(per_key):
+            if rng.random() < k / (k + i):
+                seq.append(int(length_bin(np.array([rng.lognormal(5, 1)]))[0]))
+            else:
+                seq.append(seq[rng.integers(0, i)])
+        out.append(seq)
+    return out
+
+
+def test_empirical_bayes_weight_recovers_the_dirichlet_concentration():
+    rng = np.random.default_rng(1)
+    for k in (0.5, 5.0, 50.0):
+        estimate = estimate_prior_weight(_urn_sequences(k, 300, 8, rng))
+        assert estimate is not None and k / 2 < estimate < k * 2
+    assert estimate_prior_weight([[3]] * 50) is None  # no repeated keys yet
+    assert estimate_prior_weight(_urn_sequences(1e6, 300, 8, rng)) > 100
+
+
+def test_person_period_rows():
+    edges = bin_edges(1)  # 0, 1, 2, 4, 8, ...
+    owner, bins, target = person_period(np.array([5, 5]), np.array([True, False]), edges)
+    # ended at 5 (bin [4, 8)): bins 0..3, ends in 3; censored at 5: survived bins 0..2 only
+    assert owner.tolist() == [0, 0, 0, 0, 1, 1, 1]
+    assert bins.tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert target.tolist() == [False, False, False, True, False, False, False]
+
+
+def _hazard(**kwargs):
+    return HazardEstimator(window=4000, refit_every=4000, min_fit=100, max_iter=40, **kwargs)
+
+
+def test_hazard_without_features_matches_kaplan_meier_with_censoring():
+    rng = np.random.default_rng(2)
+    lengths = np.maximum(1, rng.lognormal(4.5, 0.9, 3000).astype(int))
+    censor_at = rng.integers(1, 400, 3000)
+    censored = censor_at < lengths
+    observed = np.minimum(lengths, censor_at)
+    est = _hazard().partial_fit(Outcomes.of(observed, censored))
+    km = KaplanMeier().fit(observed, ~censored)
+    generated = np.array([0, 20, 60, 120, 200])
+    answer = est.predict(Features.of(generated), 80)
+    want = residual_life(km.survival_, generated, 80)
+    assert est.n_fits_ == 1 and answer.source == ["hazard"] * 5
+    np.testing.assert_allclose(answer.p_fin, want.p_fin, atol=0.03)
+    np.testing.assert_allclose(answer.c_hat, want.c_hat, atol=3.0)
+    # censoring does not bias it toward short lengths: dropping the censored ones would
+    naive = KaplanMeier().fit(observed[~censored], np.ones((~censored).sum(), bool))
+    biased = residual_life(naive.survival_, generated, 80)
+    assert (biased.p_fin[1:] - answer.p_fin[1:]).min() > 0.03
+
+
+def test_hazard_learns_a_prompt_length_dependence():
+    rng = np.random.default_rng(3)
+    prompts = rng.integers(100, 4000, 3000)
+    lengths = np.maximum(1, (prompts / 10 * rng.lognormal(0, 0.2, 3000)).astype(int))
+    est = _hazard().partial_fit(Outcomes.of(lengths, prompt_tokens=prompts))
+    answer = est.predict(Features.of([0, 0], prompt_tokens=[300, 3000]), 80)
+    # prompt 300 -> about 30 tokens: ends within 80; prompt 3000 -> about 300: does not
+    assert answer.p_fin[0] > 0.9 and answer.p_fin[1] < 0.1
+    assert answer.c_hat[0] == pytest.approx(30, abs=8) and answer.c_hat[1] > 75
+
+
+def test_hazard_uses_key_statistics_and_is_deterministic():
+    rng = np.random.default_rng(4)
+    keys = rng.integers(0, 40, 3000)
+    centres = np.exp(rng.uniform(2, 6, 40))
+    lengths = np.maximum(1, (centres[keys] * rng.lognormal(0, 0.2, 3000)).astype(int))
+    outcomes = Outcomes.of(lengths, prompt_key=[f"k{k}" for k in keys])
+    a, b = _hazard().partial_fit(outcomes), _hazard().partial_fit(outcomes)
+    short, long_ = int(np.argmin(centres)), int(np.argmax(centres))
+    features = Features.of([0, 0, 0], [f"k{short}", f"k{long_}", "new"])
+    first, second = a.predict(features, 80), b.predict(features, 80)
+    np.testing.assert_array_equal(first.c_hat, second.c_hat)
+    assert first.c_hat[0] < 20 and first.c_hat[1] > 75 and 20 < first.c_hat[2] < 75
+    np.testing.assert_array_equal(first.c_hat, a.predict(features, 80).c_hat)  # cached
+
+
+def test_hazard_answers_survival_before_its_first_fit():
+    est = HazardEstimator(min_fit=50)
+    assert est.predict(Features.of([0]), 80).source == ["prior"]
+    est.partial_fit(Outcomes.of(np.arange(1, 30)))
+    assert est.model_ is None and est.predict(Features.of([0]), 80).source == ["survival"]
+
+
+def test_calibrate_command_runs_on_a_small_synthetic_trace(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    code = main(["calibrate", "--trace", "synth:templated:n=400,templates=8", "--workers", "2",
+                 "--batch", "16", "--horizon", "40", "--sample-rate", "0.3",
+                 "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    rows = json.loads(out.read_text())["estimators"]
+    assert [r["estimator"] for r in rows] == ["survival", "exact_match", "hazard"]
+    assert all(r["scored"] > 100 and 0 <= r["brier"] <= 1 for r in rows)
+    assert "hazard" in printed and "brier" in printed

@@ -57,6 +57,9 @@ class PredictorService:
         # One instance of every registered estimator, all fed the same observations.
         self.estimators: dict[str, Estimator] = {
             spec.name: spec.build(s) for spec in estimator_specs()}
+        for estimator in self.estimators.values():
+            if hasattr(estimator, "fit_deferred"):  # fits outside the lock queries take
+                estimator.defer_fits = True  # type: ignore[attr-defined]
         self.auto = s.auto_estimator if s.auto_estimator in self.estimators else next(
             iter(self.estimators))
         self.auto_queries = 0
@@ -84,10 +87,12 @@ class PredictorService:
                 for row in rows:
                     if pending and row[1] != pending[0][1]:
                         self._apply(pending)
+                        self._fit_deferred()  # the same schedule as when they were ingested
                         pending = []
                     pending.append(row)
             if pending:
                 self._apply(pending)
+                self._fit_deferred()
             group: list[Scored] = []
             group_request: str | None = None
             when: str | None = None
@@ -148,12 +153,21 @@ class PredictorService:
                               r["completed_at"], r["prompt_tokens"]) for r in rows])
                 self.model_version = max(self.model_version, batch)
                 scored = self._score(rows)
+            self._fit_deferred()
             if scored:
                 with self.session() as session:
                     store.insert_scored(session=session, rows=scored,
                                         keep=self.settings.calibration_capacity)
                     session.commit()
             return IngestResult(len(rows), len(observations) - len(rows), batch)
+
+    def _fit_deferred(self) -> None:
+        """Model fits an estimator deferred (see ``HazardEstimator.fit_deferred``), run
+        outside the lock that queries take."""
+        for estimator in self.estimators.values():
+            fit = getattr(estimator, "fit_deferred", None)
+            if fit is not None:
+                fit(self.lock)
 
     def _store(self, observations: list[dict], attempts: int = 3) -> tuple[list[dict], int]:
         """Insert and commit the observations not stored yet; returns them and their batch.

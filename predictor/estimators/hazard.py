@@ -247,30 +247,58 @@ class HazardEstimator(BaseEstimator):
             self.buffer_.append((prompts[i], count, deviation, center, output, ended[i]))
             self.keys_.add(key, output, ended[i])
         self._since_fit += len(outcomes)
-        due = min(self.refit_every, max(self.min_fit, self.n_fitted_))
-        if self._since_fit >= due and len(self.buffer_) >= self.min_fit:
-            self._fit()
+        if not self.defer_fits:
+            fitted = self._fit_model(self._due_snapshot())
+            if fitted is not None:
+                self._install(fitted)
         return self
 
-    def _fit(self) -> None:
+    # A service must not hold the lock its queries take during a fit (about a second): it
+    # sets ``defer_fits`` and calls :meth:`fit_deferred` after each ingested batch, which fits
+    # outside the lock on a snapshot taken under it. The schedule (which batch triggers a fit,
+    # on which window) is the same, so a restarted service rebuilds the same models.
+    defer_fits = False
+
+    def fit_deferred(self, lock) -> bool:
+        """Fit if one is due: snapshot under ``lock``, fit outside it, install under it."""
+        with lock:
+            snapshot = self._due_snapshot()
+        fitted = self._fit_model(snapshot)
+        if fitted is None:
+            return False
+        with lock:
+            self._install(fitted)
+        return True
+
+    def _due_snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        due = min(self.refit_every, max(self.min_fit, self.n_fitted_))
+        if self._since_fit < due or len(self.buffer_) < self.min_fit:
+            return None
+        self._since_fit = 0
         data = np.asarray([row[:4] for row in self.buffer_], dtype=np.float64)
         durations = np.fromiter((row[4] for row in self.buffer_), np.int64, len(self.buffer_))
         events = np.fromiter((row[5] for row in self.buffer_), bool, len(self.buffer_))
+        return data, durations, events
+
+    def _fit_model(self, snapshot) -> tuple[HistGradientBoostingClassifier, int, int] | None:
+        if snapshot is None:
+            return None
+        data, durations, events = snapshot
         owner, bins, target = person_period(np.minimum(durations, MAX_TOKENS), events,
                                             self.edges_)
         if target.all() or not target.any():
-            return  # one class only: nothing a classifier can learn yet
+            return None  # one class only: nothing a classifier can learn yet
         model = HistGradientBoostingClassifier(
             max_iter=self.max_iter, learning_rate=self.learning_rate,
             max_leaf_nodes=self.max_leaf_nodes, min_samples_leaf=self.min_samples_leaf,
             early_stopping=False, random_state=0)
         with threadpool_limits(1):  # deterministic, and no oversubscription of shared cores
             model.fit(self._design(bins, data[owner]), target)
-        self.model_ = model
-        self.trained_bins_ = int(bins.max()) + 1
-        self.n_fitted_ = len(self.buffer_)
+        return model, int(bins.max()) + 1, int(durations.size)
+
+    def _install(self, fitted: tuple[HistGradientBoostingClassifier, int, int]) -> None:
+        self.model_, self.trained_bins_, self.n_fitted_ = fitted
         self.n_fits_ += 1
-        self._since_fit = 0
         previous = self._rows
         self._cache, self._curves, self._rows = {}, [], {}
         self._rewarm(previous)

@@ -275,3 +275,34 @@ def test_two_replicas_on_one_database_count_duplicates_and_share_model_version(d
     assert second.model_version == first.model_version + 1  # one global count of batches
     for service in replicas:
         service.engine.dispose()
+
+
+def test_hazard_fits_outside_the_query_lock_and_rebuilds_the_same_after_restart(tmp_path):
+    import numpy as np
+
+    from predictor.estimators import Features
+    from predictor.service import PredictorService
+    from predictor.settings import Settings
+    from predictor.store import make_engine
+    from router_client.synth import synthesize
+
+    url = f"sqlite:///{tmp_path / 'hz.db'}"
+    trace = synthesize("synth:templated:n=700,seed=3")
+    rows = [{"request_id": f"h{i}", "prompt_key": trace.prompt_keys[i],
+             "prompt_tokens": int(trace.prompt_tokens[i]),
+             "output_tokens": int(trace.output_tokens[i]), "finish_reason": "stop"}
+            for i in range(len(trace))]
+    features = Features.of([0, 10, 50], trace.prompt_keys[:3], trace.prompt_tokens[:3])
+    answers = []
+    for restart in range(2):
+        service = PredictorService(Settings(database_url=url), make_engine(url))
+        service.load()
+        hazard = service.estimators["hazard"]
+        assert hazard.defer_fits
+        if restart == 0:
+            for start in range(0, len(rows), 100):
+                service.ingest(rows[start:start + 100])
+        assert hazard.n_fits_ >= 2 and hazard.model_ is not None
+        answers.append(service.contributions(features, 80, "hazard").estimate.c_hat)
+        service.engine.dispose()
+    np.testing.assert_array_equal(answers[0], answers[1])

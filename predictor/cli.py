@@ -111,8 +111,12 @@ def _add_ab(sub) -> None:
     ab.add_argument("--refresh-steps", type=int, default=10,
                     help="predictions refreshed every this many steps (default 10)")
     ab.add_argument("--seed", type=int, default=0)
-    ab.add_argument("--beta", type=float, default=43.0,
-                    help="BR-H overflow weight (default 43; BR-0 always uses G)")
+    ab.add_argument("--beta", type=float, default=None,
+                    help="BR-H overflow weight (default alpha*G: each step on BR-0's scale; "
+                    "the paper's deployment value is 43; BR-0 always uses G)")
+    ab.add_argument("--candidate-life", action=argparse.BooleanOptionalAction, default=True,
+                    help="BR-H scores a candidate by its projected added work (s + h while its "
+                    "own c_hat says it runs); --no-candidate-life: the paper's constant D")
     ab.add_argument("--gamma", type=float, default=0.86, help="BR-H discount (default 0.86)")
     ab.add_argument("--rmax", type=int, default=4,
                     help="Stage-2 candidates per worker (default 4)")
@@ -238,7 +242,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
         trace, args.policies, args.workers, config, Progress(not args.quiet),
         predictor_factory=factory,
         params=BalanceRouteParams(beta=args.beta, gamma=args.gamma, r_max=args.rmax,
-                                  s_greedy=args.s_greedy, stage1=args.stage1),
+                                  s_greedy=args.s_greedy, stage1=args.stage1,
+                                  candidate_life=args.candidate_life),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

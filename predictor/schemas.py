@@ -288,7 +288,8 @@ class AbComparisonIn(BaseModel):
 class GridPoint(BaseModel):
     model_config = ConfigDict(extra="forbid")
     horizon: Annotated[int, Field(strict=True, ge=1, le=4096)]
-    beta: Annotated[float, Field(ge=0, le=1e6)]
+    beta: Annotated[float, Field(ge=0, le=1e6)] | None = Field(
+        None, description="overflow weight; null: alpha * G (each step on BR-0's scale)")
     gamma: Annotated[float, Field(gt=0, le=1)]
 
 

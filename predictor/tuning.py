@@ -52,7 +52,8 @@ class Candidate:
     def label(self) -> str:
         if self.policy == "br0":
             return "br0"
-        return f"brh H={self.horizon} beta={self.beta:g} gamma={self.gamma:g}"
+        beta = "G" if self.beta is None else f"{self.beta:g}"
+        return f"brh H={self.horizon} beta={beta} gamma={self.gamma:g}"
 
     def params(self, base: BalanceRouteParams) -> BalanceRouteParams:
         if self.policy == "br0":
@@ -61,12 +62,12 @@ class Candidate:
                        gamma=base.gamma if self.gamma is None else self.gamma)
 
 
-# Small on purpose: every candidate is a full replay. H spans short and the paper's
-# lookahead; beta spans "overflow costs as in BR-0" (G-like) to heavier; gamma a slow and a
-# fast discount.
+# Small on purpose: every candidate is a full replay. H spans a short and the paper's
+# lookahead; beta is the consistent alpha * G (None: each step on BR-0's scale) or the paper's
+# deployment value 43; gamma a fast and a slow discount.
 DEFAULT_GRID: tuple[Candidate, ...] = (
     Candidate("br0"),
-    *(Candidate("brh", h, b, g) for h in (20, 80) for b in (8.0, 43.0) for g in (0.86, 0.97)),
+    *(Candidate("brh", h, b, g) for h in (20, 80) for b in (None, 43.0) for g in (0.86, 0.95)),
 )
 
 
@@ -89,15 +90,16 @@ def recommendation_of(candidate: Candidate, estimator: str) -> dict:
 
 
 def parse_grid(items: Sequence[dict]) -> tuple[Candidate, ...]:
-    """A grid from dicts like ``{"horizon": 20, "beta": 8, "gamma": 0.9}``; BR-0 always
-    takes part."""
+    """A grid from dicts like ``{"horizon": 20, "beta": 8, "gamma": 0.9}`` (``beta`` absent or
+    null: alpha * G); BR-0 always takes part."""
     grid = [Candidate("br0")]
     for number, item in enumerate(items):
         try:
-            horizon, beta, gamma = int(item["horizon"]), float(item["beta"]), float(item["gamma"])
-        except (KeyError, TypeError, ValueError):
-            raise ParameterError(f"grid[{number}]", "needs numeric horizon, beta, gamma"
-                                 ) from None
+            horizon, gamma = int(item["horizon"]), float(item["gamma"])
+            beta = None if item.get("beta") is None else float(item["beta"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise ParameterError(f"grid[{number}]", "needs numeric horizon and gamma (and "
+                                 "beta, or null for alpha * G)") from None
         BalanceRouteParams(horizon=horizon, beta=beta, gamma=gamma)  # validates the ranges
         if horizon < 1:
             raise ParameterError(f"grid[{number}].horizon", "must be >= 1 (BR-0 is always in)")

@@ -16,13 +16,22 @@ Stage 2, when ``S_tot <= s_greedy``: workers with free slots are taken in order 
 then margin (most first); each takes the subset of the first ``r_max`` waiting requests, of
 size at most its free slots, that maximizes F (:mod:`router_client.subset`).
 Starvation guard: if the best F is not positive, the single best request is admitted anyway.
+
+BR-H scores a candidate by the work it really adds (``candidate_life``, default): ``s + h`` at
+step h while its own ``c_hat`` says it runs, 0 after (:func:`router_client.fscore.candidate_rows`);
+Stage 2 then enumerates the subsets of the ``r_max`` candidates (at most ``2^r_max - 1``), or
+grows one greedily when there are too many. ``candidate_life=False`` is the paper's constant
+``D = sum of s_i`` with the reachable-sum bitsets.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import combinations
+from math import comb
 from time import perf_counter
 from typing import Literal
 
@@ -30,41 +39,47 @@ import numpy as np
 
 from .errors import ContractError, ParameterError
 from .fleet import Assignment, FleetView, WaitingRequest
-from .fscore import MarginTable, discounts
+from .fscore import MarginTable, candidate_rows, discounts
 from .projection import projected_loads
-from .subset import best_subset
+from .subset import SubsetChoice, best_subset
 
 Stage1Rule = Literal["auto", "paper", "best-pair"]
+MAX_ENUMERATED_SUBSETS = 4096  # Stage 2 with candidate rows: enumerate up to this many subsets
 
 
 @dataclass(frozen=True)
 class BalanceRouteParams:
     """Parameters of BR-H; BR-0 is ``horizon=0`` (then ``alpha=1`` and ``beta=G`` are forced).
 
-    Defaults follow the paper (arXiv 2605.06113): its deployment point (``H=80, beta=43,
-    gamma=0.86``), ``R_max=4``, ``S_greedy=7`` and 1024 Stage-1 candidates from its
-    predecessor simulator.
-    They are a starting point for one hardware and model stack, not universal values.
+    Defaults: the paper's ``H=80, gamma=0.86``, ``R_max=4``, ``S_greedy=7`` and 1024 Stage-1
+    candidates from its predecessor simulator; ``beta = alpha * G`` (each horizon step scored on
+    BR-0's scale) and candidate rows (a candidate adds ``s + h`` while its own ``c_hat`` says it
+    runs). The paper's form (``beta=43``, constant ``D``) is :meth:`paper`; with true lengths it
+    loses throughput to BR-0 on short-output traffic in our simulator.
 
     Attributes:
         horizon: ``H``, lookahead steps; 0 makes the policy BR-0.
         alpha: weight of the fill benefit.
-        beta: weight of the overflow penalty; ``None`` means ``G`` (required for BR-0).
+        beta: weight of the overflow penalty; ``None`` means ``alpha * G`` (for BR-0: ``G``).
         gamma: per-step discount in (0, 1].
         r_max: Stage-2 candidates per worker (the first ``r_max`` of the pool).
         s_greedy: Stage 1 runs while the fleet's free slots exceed this.
         stage1_candidates: Stage 1 looks at the first this-many waiting requests.
         stage1: Stage-1 rule, see the module docstring.
+        candidate_life: score a candidate by its projected added work ``(s + h) * alive_h``
+            (its own ``c_hat``, from ``FleetView.pool_c_hat``; unknown: alive over the window)
+            instead of the paper's constant ``D = s`` over the whole window.
     """
 
     horizon: int = 80
     alpha: float = 1.0
-    beta: float | None = 43.0
+    beta: float | None = None
     gamma: float = 0.86
     r_max: int = 4
     s_greedy: int = 7
     stage1_candidates: int = 1024
     stage1: Stage1Rule = "auto"
+    candidate_life: bool = True
 
     def __post_init__(self) -> None:
         if self.horizon < 0:
@@ -91,10 +106,17 @@ class BalanceRouteParams:
         """BR-0: no lookahead, ``alpha = 1``, ``beta = G`` (left unset: G is the fleet's)."""
         return cls(horizon=0, alpha=1.0, beta=None, **overrides)  # type: ignore[arg-type]
 
+    @classmethod
+    def paper(cls, **overrides: object) -> BalanceRouteParams:
+        """The paper's BR-H: ``beta = 43`` (its G = 8 deployment point), constant ``D``."""
+        settings: dict[str, object] = {"beta": 43.0, "candidate_life": False}
+        settings.update(overrides)
+        return cls(**settings)  # type: ignore[arg-type]
+
     def effective_beta(self, workers: int) -> float:
-        """``beta``, or ``G`` when unset; in BR-0 (horizon 0) it cannot be anything but G."""
+        """``beta``, or ``alpha * G`` when unset; in BR-0 (horizon 0) it must be G."""
         if self.beta is None:
-            return float(workers)
+            return float(self.alpha * workers)
         if self.horizon == 0 and self.beta != workers:
             raise ParameterError(
                 "beta", f"BR-0 (horizon 0) forces beta = G = {workers}, got {self.beta:g}"
@@ -148,12 +170,26 @@ def route_round(
         return [], stats
     table = build_table(fleet, params)
     sizes = np.fromiter((r.prompt_tokens for r in pool), dtype=np.float64, count=len(pool))
+    rows: np.ndarray | None = None
+    if params.candidate_life and params.horizon > 0:
+        pool_c_hat = fleet.pool_c_hat
+        if pool_c_hat is not None and len(pool_c_hat) != len(pool):
+            pool_c_hat = None
+        rows = candidate_rows(sizes, pool_c_hat, params.horizon)
     waiting = list(range(len(pool)))  # pool indices still waiting, in arrival order
     out: list[Assignment] = []
 
+    def score(worker: int, indices: list[int]) -> np.ndarray:
+        if rows is not None:
+            return table.score_rows(worker, rows[indices])
+        return table.score(worker, sizes[indices])
+
     def admit(worker: int, index: int, guard: bool = False) -> None:
         nonlocal total_free
-        table.admit(worker, sizes[index])
+        if rows is not None:
+            table.admit_row(worker, rows[index])
+        else:
+            table.admit(worker, sizes[index])
         free[worker] -= 1
         total_free -= 1
         out.append(Assignment(index, worker, guard))
@@ -163,7 +199,7 @@ def route_round(
     if rule == "best-pair" or (rule == "auto" and short_pool):
         threshold = 0 if (rule == "auto" and short_pool) else params.s_greedy
         while waiting and total_free > threshold:
-            worker, pos = _best_pair(table, free, sizes, waiting[: params.stage1_candidates])
+            worker, pos = _best_pair(table, free, waiting[: params.stage1_candidates], score)
             admit(worker, waiting.pop(pos))
             stats.stage1_admissions += 1
     else:
@@ -172,7 +208,7 @@ def route_round(
             order = np.lexsort((np.arange(fleet.workers), loads0, -free))
             worker = int(order[0])
             candidates = waiting[: params.stage1_candidates]
-            scores = table.score(worker, sizes[candidates])
+            scores = score(worker, candidates)
             pos = int(np.argmax(scores))  # first maximum: the earliest request
             admit(worker, waiting.pop(pos))
             stats.stage1_admissions += 1
@@ -189,12 +225,17 @@ def route_round(
         while heap and waiting:
             _, _, worker = heapq.heappop(heap)
             candidates = waiting[: params.r_max]
-            choice = best_subset(
-                [int(sizes[i]) for i in candidates],
-                int(free[worker]),
-                partial(table.score, worker),
-                table.peak(worker),
-            )
+            if rows is not None:
+                choice = _best_row_subset(
+                    rows[candidates], int(free[worker]), partial(table.score_rows, worker)
+                )
+            else:
+                choice = best_subset(
+                    [int(sizes[i]) for i in candidates],
+                    int(free[worker]),
+                    partial(table.score, worker),
+                    table.peak(worker),
+                )
             if choice is None:
                 continue
             if choice.score > 0:
@@ -203,7 +244,7 @@ def route_round(
                     admit(worker, index)
                 stats.stage2_admissions += len(picked)
             else:
-                scores = table.score(worker, sizes[candidates])
+                scores = score(worker, candidates)
                 index = candidates[int(np.argmax(scores))]
                 admit(worker, index, guard=True)
                 stats.stage2_admissions += 1
@@ -215,14 +256,50 @@ def route_round(
     return out, stats
 
 
+def _best_row_subset(
+    rows: np.ndarray, max_count: int, score: Callable[[np.ndarray], np.ndarray]
+) -> SubsetChoice | None:
+    """The non-empty subset of at most ``max_count`` candidates (rows of added work) with the
+    highest F; ties: smaller added work now, then more requests. Exhaustive while there are at
+    most :data:`MAX_ENUMERATED_SUBSETS` subsets, else greedy (add the best request while F
+    rises). ``total`` is the added work at step 0."""
+    n = rows.shape[0]
+    max_count = min(max_count, n)
+    if max_count <= 0:
+        return None
+    count = sum(comb(n, j) for j in range(1, max_count + 1))
+    if count <= MAX_ENUMERATED_SUBSETS:
+        subsets = [c for j in range(1, max_count + 1) for c in combinations(range(n), j)]
+        sums = np.stack([rows[list(c)].sum(axis=0) for c in subsets])
+        values = score(sums)
+        best = min(range(len(subsets)),
+                   key=lambda q: (-float(values[q]), float(sums[q, 0]), -len(subsets[q])))
+        return SubsetChoice(subsets[best], int(round(sums[best, 0])), float(values[best]))
+    chosen: list[int] = []
+    current = np.zeros(rows.shape[1])
+    value = float("-inf")
+    while len(chosen) < max_count:
+        rest = [i for i in range(n) if i not in chosen]
+        values = score(current[None, :] + rows[rest])
+        k = int(np.argmax(values))
+        if chosen and values[k] <= value:
+            break
+        chosen.append(rest[k])
+        current = current + rows[rest[k]]
+        value = float(values[k])
+    return SubsetChoice(tuple(sorted(chosen)), int(round(current[0])), value)
+
+
 def _best_pair(
-    table: MarginTable, free: np.ndarray, sizes: np.ndarray, candidates: list[int]
+    table: MarginTable,
+    free: np.ndarray,
+    candidates: list[int],
+    score: Callable[[int, list[int]], np.ndarray],
 ) -> tuple[int, int]:
     """Highest-F (worker, position in ``candidates``); ties: lower load, index, earlier."""
     best: tuple[float, float, int, int] | None = None
-    cand_sizes = sizes[candidates]
     for worker in np.flatnonzero(free > 0):
-        scores = table.score(int(worker), cand_sizes)
+        scores = score(int(worker), candidates)
         pos = int(np.argmax(scores))
         key = (-float(scores[pos]), float(table.loads[worker, 0]), int(worker), pos)
         if best is None or key < best:

@@ -121,6 +121,9 @@ class RouterClient:
             if self.policy.needs_predictions:
                 c_hat = self.predictions.c_hat_for(list(self.fleet.active), step)
             view, pool = self.fleet.view(c_hat)
+            if c_hat is not None:  # what the waiting requests were predicted to live
+                view = replace(view, pool_c_hat=self.predictions.waiting_c_hat(
+                    [r.request_id for r in pool]))
             for assignment in self.policy.route(view, pool).assignments:
                 request_id = str(pool[assignment.pool_index].request_id)
                 if self.fleet.dispatch(request_id, assignment.worker, now):
@@ -161,8 +164,10 @@ class RouterClient:
             if advice.get("policy") == "br0":
                 params = self.params.as_br0()
             elif advice.get("policy") == "brh":
+                beta = advice.get("beta")  # None: alpha * G
                 params = replace(self.params, horizon=int(advice["horizon"]),
-                                 beta=float(advice["beta"]), gamma=float(advice["gamma"]))
+                                 beta=None if beta is None else float(beta),
+                                 gamma=float(advice["gamma"]))
             else:
                 raise ParameterError("policy", f"unknown policy {advice.get('policy')!r}")
         except (KeyError, TypeError, ValueError) as exc:

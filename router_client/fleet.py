@@ -47,6 +47,9 @@ class FleetView:
         active_c_hat: for each active request, the expected capped remaining life ``c_hat``
             in steps (fractional allowed), or ``None`` when no prediction is available; BR-H
             then routes as BR-0.
+        pool_c_hat: for each waiting request of the pool passed with this view (same order),
+            its predicted capped life ``c_hat`` once admitted (NaN: not predicted yet), or
+            ``None``. BR-H projects a candidate's own added load with it; unknown means H.
     """
 
     capacity: int
@@ -55,6 +58,7 @@ class FleetView:
     active_worker: np.ndarray
     active_size: np.ndarray
     active_c_hat: np.ndarray | None = None
+    pool_c_hat: np.ndarray | None = None
 
     @property
     def workers(self) -> int:

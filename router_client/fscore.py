@@ -6,6 +6,18 @@ BR-H over the margins ``m_{g,h}`` (h = 0..H) of one worker, with discounts ``d_h
 
 BR-0 is ``H = 0, alpha = 1, beta = G``: ``F(D) = D - G * max(0, D - m)``.
 
+Scale: each step's term ``d_h * (alpha * D - beta * max(0, D - m_h))`` is BR-0's score at step h
+when ``beta / alpha = G``: the discounted sum of the one-step imbalance reductions. That is
+the default (``beta = alpha * G``); the paper's deployment value 43 (with alpha = 1, G = 8)
+penalizes a token of overflow 5.4 times more than it costs, and loses to BR-0 on short
+outputs in our simulator.
+
+Candidate rows: a request does not add a constant ``D`` over the window. Admitted now, it
+reads ``s + h`` KV tokens at step h while it runs and nothing after it ends, so its added
+work is a row ``w_h = (s + h) * alive_h`` (alive from its own ``c_hat``, as in the projection).
+:meth:`MarginTable.score_rows` and :meth:`MarginTable.admit_row` score and admit such rows
+(``O(H)`` each); :meth:`MarginTable.score` keeps the paper's constant-``D`` fast path.
+
 :class:`MarginTable` keeps every worker's margins sorted with prefix sums of ``d`` and
 ``d * m`` in that order, so one evaluation is a binary search (``O(log H)``). ``F`` is concave
 in ``D`` (a linear term minus a sum of hinge functions), which subset selection relies on.
@@ -19,6 +31,27 @@ import numpy as np
 def br0_score(D: float | np.ndarray, margin: float, workers: int) -> float | np.ndarray:
     """BR-0's ``F = D - G * max(0, D - m)`` (the paper's BR-0)."""
     return D - workers * np.maximum(0.0, np.asarray(D, dtype=np.float64) - margin)
+
+
+def candidate_rows(
+    sizes: np.ndarray, c_hat: np.ndarray | None, horizon: int
+) -> np.ndarray:
+    """Added work ``w_h = (s + h) * alive_h`` of each candidate, shape ``(n, H+1)``.
+
+    ``alive_h = clip(c - h, 0, 1)`` as in :func:`router_client.projection.projected_loads`,
+    with ``c`` clipped to ``[1, H]``; ``c = H`` ("at least H") or unknown (NaN, ``None``) means
+    alive over the whole window.
+    """
+    sizes = np.asarray(sizes, dtype=np.float64)
+    steps = np.arange(horizon + 1, dtype=np.float64)
+    rows = sizes[:, None] + steps[None, :]
+    if c_hat is None or horizon == 0:
+        return rows
+    c = np.asarray(c_hat, dtype=np.float64)
+    c = np.clip(np.where(np.isfinite(c), c, float(horizon)), 1.0, float(horizon))
+    alive = np.clip(c[:, None] - steps[None, :], 0.0, 1.0)
+    alive[c >= horizon] = 1.0
+    return rows * alive
 
 
 def discounts(horizon: int, gamma: float) -> np.ndarray:
@@ -107,10 +140,27 @@ class MarginTable:
             return float("inf")
         return float(self._sorted[worker][nonpositive[0]])
 
+    def score_rows(self, worker: int, rows: np.ndarray) -> np.ndarray:
+        """F for added work given per step (``rows`` of shape ``(..., H+1)``); ``O(H)`` each::
+
+            F = alpha * sum_h d_h * w_h  -  beta * sum_h d_h * max(0, w_h - m_h)
+        """
+        rows = np.asarray(rows, dtype=np.float64)
+        margins = self.envelope - self.loads[worker]
+        over = np.maximum(0.0, rows - margins)
+        return self.alpha * (rows @ self.d) - self.beta * (over @ self.d)
+
+    def admit_row(self, worker: int, row: np.ndarray) -> None:
+        """Add per-step work ``row`` (shape ``(H+1,)``) to ``worker``; raise the envelope."""
+        self._add(worker, np.asarray(row, dtype=np.float64))
+
     def admit(self, worker: int, D: float) -> None:
         """Add ``D`` tokens to ``worker`` at every horizon step and raise the envelope."""
+        self._add(worker, D)
+
+    def _add(self, worker: int, added: float | np.ndarray) -> None:
         row = self.loads[worker]
-        row += D
+        row += added
         if (row > self.envelope).any():
             np.maximum(self.envelope, row, out=self.envelope)
             self._stale[:] = True  # every worker's margins moved where the envelope rose

@@ -105,6 +105,12 @@ class PredictionCache:
             self._c_hat.pop(request_id, None)
             self._since.pop(request_id, None)
 
+    def waiting_c_hat(self, request_ids: Sequence[Hashable]) -> np.ndarray:
+        """The last answer for each waiting request (asked at 0 tokens generated), NaN where
+        there is none; not aged, since a waiting request's life has not started."""
+        return np.fromiter((self._c_hat.get(r, np.nan) for r in request_ids), np.float64,
+                           len(request_ids))
+
     def c_hat_for(self, request_ids: Sequence[Hashable], step: int) -> np.ndarray | None:
         """``c_hat`` now for running requests, or ``None`` while BR-H must route as BR-0
         (each such call is counted in ``fallback_rounds`` when predictions are wanted)."""

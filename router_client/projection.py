@@ -4,7 +4,8 @@ An active request with current work ``w = s + a`` reads ``w + h`` KV tokens h st
 it is still running. With ``c_hat`` its expected capped remaining life, it is taken to run at
 step h with weight ``clip(c_hat - h, 0, 1)``: fully for the first ``floor(c_hat)`` steps, a
 fraction on the next, not after. Since an active request always runs its next step,
-``c_hat >= 1`` and the h = 0 column equals the current loads.
+``c_hat >= 1`` and the h = 0 column equals the current loads. ``c_hat = H`` means "at least
+H": such a request runs at every step of the window, h = H included.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ def projected_loads(
     c = np.clip(np.asarray(c_hat, dtype=np.float64), 1.0, float(max(horizon, 1)))
     full = np.floor(c).astype(np.int64)  # steps 0..full-1 at weight 1
     fraction = c - full  # weight at step `full`
+    capped = c >= horizon
+    full[capped] = horizon + 1  # "at least H": alive through h = H (width H+2 has room)
+    fraction[capped] = 0.0
     base = active_worker.astype(np.int64) * width
     size = active_size.astype(np.float64)
     ones = np.ones_like(size)

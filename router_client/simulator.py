@@ -148,7 +148,8 @@ class Engine:
         return np.bincount(self.worker[active], weights=self.size[active],
                            minlength=self.workers)
 
-    def view(self, c_hat: np.ndarray | None = None) -> FleetView:
+    def view(self, c_hat: np.ndarray | None = None,
+             pool_c_hat: np.ndarray | None = None) -> FleetView:
         idx = np.flatnonzero(self.active)
         return FleetView(
             capacity=self.batch,
@@ -157,6 +158,7 @@ class Engine:
             active_worker=self.worker[idx],
             active_size=self.size[idx].astype(np.float64),
             active_c_hat=c_hat,
+            pool_c_hat=pool_c_hat,
         )
 
     def free_slot(self, worker: int) -> int:
@@ -371,7 +373,10 @@ class Simulation:
             if c_hat is None:
                 self.metrics.fallback_rounds.append(self.step)
         visible = self.pool[: self.config.pool_window]
-        decision = self.policy.route(self.engine.view(c_hat), visible)
+        pool_c_hat = None
+        if c_hat is not None:
+            pool_c_hat = self.cache.waiting_c_hat([r.request_id for r in visible])
+        decision = self.policy.route(self.engine.view(c_hat, pool_c_hat), visible)
         if not decision.assignments:
             return
         taken: set[int] = set()

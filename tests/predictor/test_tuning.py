@@ -50,7 +50,7 @@ def test_br0_unless_brh_clearly_wins():
 
 def test_grid_validation():
     with pytest.raises(ParameterError, match=r"grid\[0\]"):
-        parse_grid([{"horizon": 10}])
+        parse_grid([{"beta": 10}])
     with pytest.raises(ParameterError, match="gamma"):
         parse_grid([{"horizon": 10, "beta": 5, "gamma": 2}])
 
@@ -63,6 +63,7 @@ def test_tune_command(tmp_path):
     result = json.loads(out.read_text())
     assert result["recommendation"]["policy"] in ("br0", "brh")
     assert len(result["rows"]) == 9 and result["evaluation"]
+    assert "brh H=20 beta=G gamma=0.86" in {r["setting"] for r in result["rows"]}
 
 
 def wait(client, path, seconds=120):

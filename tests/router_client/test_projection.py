@@ -9,7 +9,8 @@ def direct_projection(workers, horizon, worker, size, c_hat):
     out = np.zeros((workers, horizon + 1))
     for g, s, c in zip(worker, size, np.clip(c_hat, 1, max(horizon, 1)), strict=True):
         for h in range(horizon + 1):
-            out[g, h] += (s + h) * min(1.0, max(0.0, c - h))
+            alive = 1.0 if c >= horizon else min(1.0, max(0.0, c - h))  # c = H: at least H
+            out[g, h] += (s + h) * alive
     return out
 
 

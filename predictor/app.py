@@ -128,6 +128,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                  service.model_version)
         yield
         app.state.ab_jobs.shutdown()
+        service.fitter.shutdown(wait=False, cancel_futures=True)
         engine.dispose()
 
     app = FastAPI(

@@ -172,7 +172,7 @@ class StatusOut(BaseModel):
     buckets: int = Field(description="per-prompt-key buckets held (ExactMatch)")
     drifted: bool = Field(description="drift is flagged")
     uptime_s: float = Field(description="seconds since the process started")
-    estimators: list[str] = Field(description="registered estimators")
+    estimators: list[str] = Field(description="the estimators this service runs")
     auto_estimator: str = Field(description="the estimator that answers `auto`")
     recommendation: Recommendation | None = Field(
         description="which policy routers should run, from the newest tuning (null: none yet)")

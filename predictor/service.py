@@ -8,8 +8,10 @@ how they are rebuilt after a restart: exactly the same answers).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -24,6 +26,8 @@ from .estimators import Estimate, Estimator, Features, Outcomes, estimator_specs
 from .settings import Settings
 
 CENSORING_REASONS = ("length", "cancelled", "error")
+
+log = logging.getLogger("balanceroute.service")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class PredictorService:
         self.sessions = sessionmaker(engine, expire_on_commit=False)
         self.lock = threading.RLock()  # the learners and trackers (memory only)
         self.ingest_lock = threading.Lock()  # serializes ingestion's database work
+        self.fitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-fit")
+        self._fit_state = threading.Lock()
+        self._fit_queued = False
         self.started = time.monotonic()
         self.loaded = False
         self.recommendation: dict | None = None  # from the newest done tuning
@@ -55,8 +62,14 @@ class PredictorService:
     def _reset_learners(self) -> None:
         s = self.settings
         # One instance of every registered estimator, all fed the same observations.
+        wanted = ({n.strip() for n in s.estimators.split(",") if n.strip()}
+                  if s.estimators else None)
         self.estimators: dict[str, Estimator] = {
-            spec.name: spec.build(s) for spec in estimator_specs()}
+            spec.name: spec.build(s) for spec in estimator_specs()
+            if wanted is None or spec.name in wanted}
+        if not self.estimators:
+            raise ValueError(f"BALANCEROUTE_ESTIMATORS={s.estimators!r} names no registered "
+                             "estimator")
         for estimator in self.estimators.values():
             if hasattr(estimator, "fit_deferred"):  # fits outside the lock queries take
                 estimator.defer_fits = True  # type: ignore[attr-defined]
@@ -153,13 +166,34 @@ class PredictorService:
                               r["completed_at"], r["prompt_tokens"]) for r in rows])
                 self.model_version = max(self.model_version, batch)
                 scored = self._score(rows)
-            self._fit_deferred()
+            self._schedule_fits()
             if scored:
                 with self.session() as session:
                     store.insert_scored(session=session, rows=scored,
                                         keep=self.settings.calibration_capacity)
                     session.commit()
             return IngestResult(len(rows), len(observations) - len(rows), batch)
+
+    def _schedule_fits(self) -> None:
+        """Run due model fits on the fitter thread: neither ingestion nor queries wait for
+        them. Fits due while one runs are coalesced into the next (on the newest window)."""
+        with self._fit_state:
+            if self._fit_queued:
+                return
+            self._fit_queued = True
+        self.fitter.submit(self._run_fits)
+
+    def _run_fits(self) -> None:
+        with self._fit_state:
+            self._fit_queued = False
+        try:
+            self._fit_deferred()
+        except Exception:  # a failed fit keeps the previous model; the service goes on
+            log.exception("a deferred model fit failed")
+
+    def wait_for_fits(self) -> None:
+        """Block until the fits scheduled so far are done (tests, benchmarks)."""
+        self.fitter.submit(lambda: None).result()
 
     def _fit_deferred(self) -> None:
         """Model fits an estimator deferred (see ``HazardEstimator.fit_deferred``), run

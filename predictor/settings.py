@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     api_token: str | None = None
     default_horizon: int = Field(80, ge=1, le=4096)
     auto_estimator: str = "exact_match"
+    estimators: str | None = Field(
+        None, description="comma-separated registered estimators the service runs (default: "
+        "all); e.g. 'survival,exact_match' leaves out the hazard model's fits")
     exact_match_min_support: int = Field(1, ge=1)
     exact_match_prior_weight: float = Field(1.0, ge=0.0)
     exact_match_estimate_weight: bool = True

@@ -9,7 +9,6 @@ from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
-from ..estimators import estimator_names
 from ..metrics import refresh_calibration_gauges
 from ..schemas import CalibrationOut
 from .deps import MetricsDep, ServiceDep
@@ -22,11 +21,11 @@ EstimatorFilter = Annotated[str | None, Query(
     description="one registered estimator (default: all, side by side)")]
 
 
-def _checked(estimator: str | None) -> str | None:
-    if estimator is not None and estimator not in estimator_names():
+def _checked(estimator: str | None, service) -> str | None:
+    if estimator is not None and estimator not in service.estimators:
         raise RequestValidationError([{
             "loc": ("query", "estimator"), "type": "enum",
-            "msg": f"unknown estimator; known: {', '.join(estimator_names())}"}])
+            "msg": f"unknown estimator; this service runs {', '.join(service.estimators)}"}])
     return estimator
 
 
@@ -34,7 +33,7 @@ def _checked(estimator: str | None) -> str | None:
 def calibration(service: ServiceDep, metrics: MetricsDep, horizon: Horizon = None,
                 estimator: EstimatorFilter = None, window: Window = None) -> dict:
     """How good the issued predictions were: per estimator, scored on the same traffic."""
-    report = service.calibration(horizon, _checked(estimator), window)
+    report = service.calibration(horizon, _checked(estimator, service), window)
     refresh_calibration_gauges(report, metrics)
     return report
 
@@ -52,7 +51,7 @@ def calibration_png(request: Request, service: ServiceDep, horizon: Horizon = No
     from ..plots import reliability_png  # matplotlib only when a diagram is asked for
 
     cache: OrderedDict = request.app.state.__dict__.setdefault("png_cache", OrderedDict())
-    key = (horizon, _checked(estimator), window, service.tracker.scored.count)
+    key = (horizon, _checked(estimator, service), window, service.tracker.scored.count)
     png = cache.get(key)
     if png is None:
         png = reliability_png(service.calibration(horizon, estimator, window))

@@ -46,13 +46,19 @@ def answer(body: ContributionsIn, service: PredictorService, metrics: Metrics) -
     if len(items) > limit:
         raise HTTPException(413, f"{len(items)} items; at most {limit} per query")
     horizon = body.get("horizon") or service.settings.default_horizon
+    name = body.get("estimator", "auto")
+    if name != "auto" and name not in service.estimators:
+        raise RequestValidationError([{
+            "loc": ("body", "estimator"), "type": "not_enabled",
+            "msg": f"estimator {name!r} is registered but not run by this service "
+                   f"(BALANCEROUTE_ESTIMATORS); it runs {', '.join(service.estimators)}"}])
     n = len(items)
     features = Features(
         np.fromiter((i["generated_tokens"] for i in items), np.int64, n),
         [item_key(i) for i in items],
         np.fromiter((i.get("prompt_tokens", UNKNOWN_TOKENS) for i in items), np.int64, n),
     )
-    result = service.contributions(features, horizon, body.get("estimator", "auto"))
+    result = service.contributions(features, horizon, name)
     estimate = result.estimate
     for name in set(estimate.source):
         metrics.items.labels(name).inc(estimate.source.count(name))

@@ -8,7 +8,6 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..estimators import estimator_names
 from ..metrics import refresh_calibration_gauges, refresh_gauges
 from ..schemas import HealthOut, ReadyOut, StatusOut
 from ..store import ping
@@ -23,7 +22,7 @@ router = APIRouter(tags=["service"])
 def status(service: ServiceDep) -> StatusOut:
     return StatusOut(model_version=service.model_version, observations=service.observations,
                      buckets=service.buckets, drifted=service.drift.drifted,
-                     uptime_s=round(service.uptime_s, 3), estimators=estimator_names(),
+                     uptime_s=round(service.uptime_s, 3), estimators=list(service.estimators),
                      auto_estimator=service.auto, recommendation=service.recommendation)
 
 

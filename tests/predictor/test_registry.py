@@ -116,3 +116,16 @@ def test_reserved_names_cannot_be_registered():
     for name in ("auto", "prior", "oracle"):
         with pytest.raises(ValueError, match="reserved"):
             EstimatorSpec(name, lambda settings: HalfPrompt())
+
+
+def test_a_service_can_run_a_subset_of_the_registry(tmp_path):
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 's.db'}",
+                        estimators="survival,exact_match")
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/v1/status").json()["estimators"] == ["survival", "exact_match"]
+        off = client.post("/v1/contributions", json={
+            "estimator": "hazard", "items": [{"request_id": "a", "generated_tokens": 0}]})
+        assert off.status_code == 422 and "not run by this service" in off.json()[
+            "detail"][0]["msg"]
+        names = [e["estimator"] for e in client.get("/v1/calibration").json()["estimators"]]
+        assert names == ["survival", "exact_match"]

@@ -302,6 +302,7 @@ def test_hazard_fits_outside_the_query_lock_and_rebuilds_the_same_after_restart(
         if restart == 0:
             for start in range(0, len(rows), 100):
                 service.ingest(rows[start:start + 100])
+                service.wait_for_fits()  # as a slow ingestion would: no fit is coalesced
         assert hazard.n_fits_ >= 2 and hazard.model_ is not None
         answers.append(service.contributions(features, 80, "hazard").estimate.c_hat)
         service.engine.dispose()

@@ -165,95 +165,103 @@ def route_round(
     started = perf_counter()
     stats = RoundStats(used_prediction=params.horizon > 0)
     free = fleet.free_slots.astype(np.int64).copy()
-    total_free = int(free.sum())
-    if not pool or total_free <= 0:
+    if not pool or int(free.sum()) <= 0:
         return [], stats
-    table = build_table(fleet, params)
-    sizes = np.fromiter((r.prompt_tokens for r in pool), dtype=np.float64, count=len(pool))
-    rows: np.ndarray | None = None
-    if params.candidate_life and params.horizon > 0:
-        pool_c_hat = fleet.pool_c_hat
-        if pool_c_hat is not None and len(pool_c_hat) != len(pool):
-            pool_c_hat = None
-        rows = candidate_rows(sizes, pool_c_hat, params.horizon)
-    waiting = list(range(len(pool)))  # pool indices still waiting, in arrival order
-    out: list[Assignment] = []
-
-    def score(worker: int, indices: list[int]) -> np.ndarray:
-        if rows is not None:
-            return table.score_rows(worker, rows[indices])
-        return table.score(worker, sizes[indices])
-
-    def admit(worker: int, index: int, guard: bool = False) -> None:
-        nonlocal total_free
-        if rows is not None:
-            table.admit_row(worker, rows[index])
-        else:
-            table.admit(worker, sizes[index])
-        free[worker] -= 1
-        total_free -= 1
-        out.append(Assignment(index, worker, guard))
-
-    rule = params.stage1
-    short_pool = len(pool) <= total_free
-    if rule == "best-pair" or (rule == "auto" and short_pool):
-        threshold = 0 if (rule == "auto" and short_pool) else params.s_greedy
-        while waiting and total_free > threshold:
-            worker, pos = _best_pair(table, free, waiting[: params.stage1_candidates], score)
-            admit(worker, waiting.pop(pos))
-            stats.stage1_admissions += 1
-    else:
-        while waiting and total_free > params.s_greedy:
-            loads0 = table.loads[:, 0]
-            order = np.lexsort((np.arange(fleet.workers), loads0, -free))
-            worker = int(order[0])
-            candidates = waiting[: params.stage1_candidates]
-            scores = score(worker, candidates)
-            pos = int(np.argmax(scores))  # first maximum: the earliest request
-            admit(worker, waiting.pop(pos))
-            stats.stage1_admissions += 1
-
+    state = _Round(fleet, pool, params, free, stats)
+    state.stage1()
     stage2_started = perf_counter()
     stats.extra["stage1_s"] = stage2_started - started
-    if waiting and total_free > 0:
-        heap = [
-            (-int(free[g]), -table.current_margin(g), g)
-            for g in range(fleet.workers)
-            if free[g] > 0
-        ]
+    state.stage2()
+    stats.extra["stage2_s"] = perf_counter() - stage2_started
+    return state.out, stats
+
+
+class _Round:
+    """The state of one round: the margin table, free slots, who still waits."""
+
+    def __init__(self, fleet: FleetView, pool: list[WaitingRequest],
+                 params: BalanceRouteParams, free: np.ndarray, stats: RoundStats) -> None:
+        self.fleet, self.params, self.free, self.stats = fleet, params, free, stats
+        self.total_free = int(free.sum())
+        self.table = build_table(fleet, params)
+        self.sizes = np.fromiter((r.prompt_tokens for r in pool), dtype=np.float64,
+                                 count=len(pool))
+        self.rows: np.ndarray | None = None
+        if params.candidate_life and params.horizon > 0:
+            pool_c_hat = fleet.pool_c_hat
+            if pool_c_hat is not None and len(pool_c_hat) != len(pool):
+                pool_c_hat = None
+            self.rows = candidate_rows(self.sizes, pool_c_hat, params.horizon)
+        self.waiting = list(range(len(pool)))  # pool indices still waiting, in arrival order
+        self.short_pool = len(pool) <= self.total_free
+        self.out: list[Assignment] = []
+
+    def score(self, worker: int, indices: list[int]) -> np.ndarray:
+        if self.rows is not None:
+            return self.table.score_rows(worker, self.rows[indices])
+        return self.table.score(worker, self.sizes[indices])
+
+    def admit(self, worker: int, index: int, guard: bool = False) -> None:
+        if self.rows is not None:
+            self.table.admit_row(worker, self.rows[index])
+        else:
+            self.table.admit(worker, self.sizes[index])
+        self.free[worker] -= 1
+        self.total_free -= 1
+        self.out.append(Assignment(index, worker, guard))
+
+    def stage1(self) -> None:
+        params, rule = self.params, self.params.stage1
+        if rule == "best-pair" or (rule == "auto" and self.short_pool):
+            threshold = 0 if (rule == "auto" and self.short_pool) else params.s_greedy
+            while self.waiting and self.total_free > threshold:
+                worker, pos = _best_pair(self.table, self.free,
+                                         self.waiting[: params.stage1_candidates], self.score)
+                self.admit(worker, self.waiting.pop(pos))
+                self.stats.stage1_admissions += 1
+            return
+        while self.waiting and self.total_free > params.s_greedy:
+            loads0 = self.table.loads[:, 0]
+            order = np.lexsort((np.arange(self.fleet.workers), loads0, -self.free))
+            worker = int(order[0])
+            scores = self.score(worker, self.waiting[: params.stage1_candidates])
+            pos = int(np.argmax(scores))  # first maximum: the earliest request
+            self.admit(worker, self.waiting.pop(pos))
+            self.stats.stage1_admissions += 1
+
+    def stage2(self) -> None:
+        if not self.waiting or self.total_free <= 0:
+            return
+        free, table = self.free, self.table
+        heap = [(-int(free[g]), -table.current_margin(g), g)
+                for g in range(self.fleet.workers) if free[g] > 0]
         heapq.heapify(heap)
-        while heap and waiting:
+        while heap and self.waiting:
             _, _, worker = heapq.heappop(heap)
-            candidates = waiting[: params.r_max]
-            if rows is not None:
-                choice = _best_row_subset(
-                    rows[candidates], int(free[worker]), partial(table.score_rows, worker)
-                )
-            else:
-                choice = best_subset(
-                    [int(sizes[i]) for i in candidates],
-                    int(free[worker]),
-                    partial(table.score, worker),
-                    table.peak(worker),
-                )
+            candidates = self.waiting[: self.params.r_max]
+            choice = self._subset(worker, candidates)
             if choice is None:
                 continue
             if choice.score > 0:
                 picked = [candidates[k] for k in choice.indices]
                 for index in picked:
-                    admit(worker, index)
-                stats.stage2_admissions += len(picked)
-            else:
-                scores = score(worker, candidates)
-                index = candidates[int(np.argmax(scores))]
-                admit(worker, index, guard=True)
-                stats.stage2_admissions += 1
-                stats.starvation_guard_admissions += 1
+                    self.admit(worker, index)
+                self.stats.stage2_admissions += len(picked)
+            else:  # starvation guard: the single best request, even at F <= 0
+                index = candidates[int(np.argmax(self.score(worker, candidates)))]
+                self.admit(worker, index, guard=True)
+                self.stats.stage2_admissions += 1
+                self.stats.starvation_guard_admissions += 1
                 picked = [index]
             taken = set(picked)
-            waiting = [i for i in waiting if i not in taken]
-    stats.extra["stage2_s"] = perf_counter() - stage2_started
-    return out, stats
+            self.waiting = [i for i in self.waiting if i not in taken]
+
+    def _subset(self, worker: int, candidates: list[int]) -> SubsetChoice | None:
+        if self.rows is not None:
+            return _best_row_subset(self.rows[candidates], int(self.free[worker]),
+                                    partial(self.table.score_rows, worker))
+        return best_subset([int(self.sizes[i]) for i in candidates], int(self.free[worker]),
+                           partial(self.table.score, worker), self.table.peak(worker))
 
 
 def _best_row_subset(

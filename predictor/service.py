@@ -264,6 +264,10 @@ class PredictorService:
         ``estimator`` is a registered name or ``auto`` (``BALANCEROUTE_AUTO_ESTIMATOR``)."""
         name = self.auto if estimator == "auto" else estimator
         with self.lock:
+            for each in self.estimators.values():  # the queried requests are running now
+                running = getattr(each, "observe_running", None)
+                if running is not None:
+                    running(features)
             estimate = self.estimators[name].predict(features, horizon)
             if estimator == "auto":
                 self.auto_queries += len(features)

@@ -7,7 +7,11 @@ Shaped like scikit-learn and lifelines estimators:
   ``fit(outcomes)`` is ``reset()`` followed by ``partial_fit``;
 - learned state ends in an underscore (``n_observed_``);
 - ``predict(features, horizon) -> Estimate`` answers a batch of active requests; it never
-  mutates the estimator (so shadow predictions cost nothing but time).
+  mutates what the estimator has learned (so shadow predictions cost nothing but time);
+- optionally ``observe_running(features) -> self``: the requests running now, as
+  right-censored evidence at their current age (see ``SurvivalEstimator``); callers that
+  have the running set (the service at each query, the in-process predictor at each refresh)
+  pass it before predicting.
 
 Inputs are columns, not per-item objects: :class:`Features` holds ``prompt_tokens``,
 ``prompt_key`` and ``generated`` (plus ``extra`` columns for estimators that want more), and

@@ -176,6 +176,11 @@ class ExactMatchEstimator(BaseEstimator):
         """Prompt keys held."""
         return len(self.buckets_)
 
+    def observe_running(self, features: Features) -> Self:
+        """Running requests as censored evidence for the global curve (see Survival)."""
+        self.fallback_.observe_running(features)
+        return self
+
     def partial_fit(self, outcomes: Outcomes) -> Self:
         self.fallback_.partial_fit(outcomes)
         events = outcomes.events

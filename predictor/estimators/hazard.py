@@ -237,6 +237,11 @@ class HazardEstimator(BaseEstimator):
     def n_observed_(self) -> int:
         return self.fallback_.n_observed_
 
+    def observe_running(self, features: Features) -> Self:
+        """Running requests as censored evidence for the fallback curve (see Survival)."""
+        self.fallback_.observe_running(features)
+        return self
+
     def partial_fit(self, outcomes: Outcomes) -> Self:
         self.fallback_.partial_fit(outcomes)
         prompts = _log_prompt(outcomes.prompt_tokens).tolist()

@@ -19,6 +19,9 @@ class LearnerPredictor:
 
     def predict(self, batch: ActiveBatch, horizon: int) -> Prediction:
         features = Features.of(batch.generated_tokens, batch.prompt_keys, batch.prompt_tokens)
+        running = getattr(self.estimator, "observe_running", None)
+        if running is not None:
+            running(features)
         return Prediction(self.estimator.predict(features, horizon).c_hat)
 
     def observe(self, finished: FinishedBatch) -> None:

@@ -43,6 +43,7 @@ class KaplanMeier:
         self.events_ = np.zeros(1, dtype=np.int64)
         self.censored_ = np.zeros(1, dtype=np.int64)
         self.n_observed_ = 0
+        self.running_ = np.zeros(1, dtype=np.int64)  # requests still running, by age
         self._recent: deque[tuple[int, bool]] = deque()
         self._survival: np.ndarray | None = None
         self._table: ResidualTable | None = None
@@ -76,11 +77,22 @@ class KaplanMeier:
         self._survival = None
         return self
 
+    def set_running(self, ages: np.ndarray) -> KaplanMeier:
+        """Requests still running, at their current ages: right-censored evidence (each has
+        lived at least that long) until it finishes. Replaces the previous running set. An
+        age past the longest finished observation counts as censored just past it (the same
+        for the curve, and the arrays do not grow)."""
+        ages = np.minimum(np.asarray(ages, dtype=np.int64), self.events_.shape[0] - 1)
+        self.running_ = np.bincount(ages[ages > 0], minlength=self.events_.shape[0])
+        self._survival = None
+        return self
+
     def _grow(self, longest: int) -> None:
         if longest >= self.events_.shape[0]:
             size = max(longest + 1, 2 * self.events_.shape[0])
             self.events_ = np.pad(self.events_, (0, size - self.events_.shape[0]))
             self.censored_ = np.pad(self.censored_, (0, size - self.censored_.shape[0]))
+            self.running_ = np.pad(self.running_, (0, size - self.running_.shape[0]))
 
     @property
     def survival_(self) -> np.ndarray:
@@ -88,7 +100,7 @@ class KaplanMeier:
         if self.n_observed_ == 0:
             raise NotFittedError("no observations yet")
         if self._survival is None:
-            counts = self.events_ + self.censored_
+            counts = self.events_ + self.censored_ + self.running_
             last = int(np.flatnonzero(counts)[-1])
             events = self.events_[: last + 1].astype(np.float64)
             at_risk = np.cumsum(counts[: last + 1][::-1])[::-1].astype(np.float64)

@@ -35,6 +35,20 @@ class SurvivalEstimator(BaseEstimator):
         self.curve_.partial_fit(outcomes.output_tokens, outcomes.events)
         return self
 
+    def observe_running(self, features: Features) -> Self:
+        """The requests running now (``generated`` tokens so far) count as right-censored at
+        their current age until they finish. Learning only from finished requests would see
+        mostly the short ones while the long ones still run (a young service, a burst); the
+        running ones are the evidence that corrects it. At most ``max_running`` are kept (the
+        first ones of the batch), so no single query can outweigh the window."""
+        ages = features.generated[features.generated > 0][: self.max_running]
+        self.curve_.set_running(ages)
+        return self
+
+    @property
+    def max_running(self) -> int:
+        return max(1, self.window // 2) if self.window else 2500
+
     def predict(self, features: Features, horizon: int) -> Estimate:
         n = len(features)
         if self.curve_.n_observed_ == 0:

@@ -172,3 +172,27 @@ def test_features_take_keeps_every_column():
     np.testing.assert_array_equal(sub.generated, [2, 0])
     np.testing.assert_array_equal(sub.prompt_tokens, [30, 10])
     assert features.prompt_tokens[1] == -1  # unknown
+
+
+def test_running_requests_count_as_censored_at_their_age():
+    rng = np.random.default_rng(11)
+    durations = rng.integers(1, 80, 300)
+    events = rng.random(300) > 0.2
+    running = rng.integers(1, 120, 40)
+    km = KaplanMeier().fit(durations, events).set_running(running)
+    longest = km.events_.shape[0] - 1
+    reference = KaplanMeierFitter().fit(
+        np.concatenate([durations, np.minimum(running, longest)]),
+        np.concatenate([events, np.zeros(40, bool)]))
+    times = np.arange(0, 90)
+    np.testing.assert_allclose(km.survival_at(times),
+                               reference.survival_function_at_times(times).to_numpy(),
+                               atol=1e-9)
+    assert km.n_observed_ == 300  # running requests are evidence, not observations
+    est = SurvivalEstimator(window=0).partial_fit(Outcomes.of(durations, ~events))
+    before = est.predict(Features.of([0]), 80).c_hat[0]
+    est.observe_running(Features.of(np.full(50, 79)))  # many long-running requests
+    after = est.predict(Features.of([0]), 80).c_hat[0]
+    assert after > before  # the curve no longer forgets the long ones still running
+    est.observe_running(Features.of([]))
+    assert est.predict(Features.of([0]), 80).c_hat[0] == pytest.approx(before)

@@ -70,8 +70,10 @@ def bench_router(workers: int = 8, rmax: int = 4, pool: int = 256, batch: int = 
     if not states:
         raise RuntimeError("the simulated run never filled the fleet; no states to time")
     params = BalanceRouteParams(horizon=horizon, r_max=rmax)
+    paper = BalanceRouteParams.paper(horizon=horizon, r_max=rmax)
     rng = np.random.default_rng(seed)
     times: list[float] = []
+    paper_times: list[float] = []
     stage2: list[float] = []
     admitted: list[int] = []
     for index in range(rounds):
@@ -81,12 +83,18 @@ def bench_router(workers: int = 8, rmax: int = 4, pool: int = 256, batch: int = 
             WaitingRequest(f"pad-{k}", int(s)) for k, s in enumerate(padding)
         ]
         started = perf_counter()
+        route_round(fleet, waiting, paper)  # the paper's form, timed in the same run
+        paper_times.append(perf_counter() - started)
+        started = perf_counter()
         assignments, stats = route_round(fleet, waiting, params)
         times.append(perf_counter() - started)
         stage2.append(stats.extra.get("stage2_s", 0.0))
         admitted.append(len(assignments))
     ms = np.asarray(times) * 1000.0
+    paper_ms = np.asarray(paper_times) * 1000.0
     return {
+        "paper_form_p50_ms": round(float(np.percentile(paper_ms, 50)), 4),
+        "paper_form_p99_ms": round(float(np.percentile(paper_ms, 99)), 4),
         "workers": workers, "rmax": rmax, "pool": pool, "rounds": rounds,
         "p50_ms": round(float(np.percentile(ms, 50)), 4),
         "p99_ms": round(float(np.percentile(ms, 99)), 4),

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from proxy.cli import add_commands as add_serving_commands
 from router_client.admission import BalanceRouteParams
-from router_client.errors import BalanceRouteError
+from router_client.errors import BalanceRouteError, ParameterError
 from router_client.predictors import Predictor
-from router_client.simulator import DEFAULT_STEP_COST, SimConfig
+from router_client.simulator import DEFAULT_STEP_COST, SimConfig, parse_step_cost
 from router_client.traces import FORMATS, Trace, load_trace
 
 from . import abtest, evaluate
@@ -79,12 +79,9 @@ def _load(text: str) -> float | str:
 
 def _step_cost(text: str) -> tuple[float, float]:
     try:
-        a, b = (float(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--step-cost takes A,B (two numbers): {text!r}") from None
-    if a < 0 or b < 0:
-        raise argparse.ArgumentTypeError("--step-cost values must be >= 0")
-    return a, b
+        return parse_step_cost(text)
+    except ParameterError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
 
 
 def _policies(text: str) -> list[str]:

@@ -239,27 +239,19 @@ class TraceIn(BaseModel):
     content: str = Field(..., min_length=1, description="the trace file's text")
 
 
-class AbComparisonIn(BaseModel):
-    """A simulated A/B comparison: the fields of ``balanceroute ab``."""
+Workers = Annotated[int, Field(strict=True, ge=1, le=256)]
+
+
+class ReplayIn(BaseModel):
+    """What every simulated replay takes (A/B comparisons and tunings)."""
 
     model_config = ConfigDict(extra="forbid")
-    policies: list[str] = Field(
-        default_factory=lambda: ["jsq", "ltl", "br0", "brh-survival", "brh-oracle"],
-        min_length=1, max_length=16)
-    workers: list[Annotated[int, Field(strict=True, ge=1, le=256)]] = Field(
-        default_factory=lambda: [8], min_length=1, max_length=8)
     batch: Annotated[int, Field(strict=True, ge=1, le=1024)] = 64
     load: float | Literal["backlog"] = 1.0
     seed: int = 0
-    horizon: Annotated[int, Field(strict=True, ge=1, le=4096)] = 80
     refresh_steps: Annotated[int, Field(strict=True, ge=1, le=10_000)] = 10
-    requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] | None = None
     step_cost: tuple[Annotated[float, Field(ge=0, le=1.0)],
                      Annotated[float, Field(ge=0, le=10.0)]] | None = None
-    stage1: Literal["auto", "paper", "best-pair"] = "auto"
-    source: Literal["observations"] | None = Field(
-        None, description="replay the service's own stored observations")
-    trace: TraceIn | None = None
 
     @field_validator("load")
     @classmethod
@@ -267,6 +259,21 @@ class AbComparisonIn(BaseModel):
         if not isinstance(value, str) and not 0 < value <= 100:
             raise ValueError("load must be in (0, 100] or 'backlog'")
         return value
+
+
+class AbComparisonIn(ReplayIn):
+    """A simulated A/B comparison: the fields of ``balanceroute ab``."""
+
+    policies: list[str] = Field(
+        default_factory=lambda: ["jsq", "ltl", "br0", "brh-survival", "brh-oracle"],
+        min_length=1, max_length=16)
+    workers: list[Workers] = Field(default_factory=lambda: [8], min_length=1, max_length=8)
+    horizon: Annotated[int, Field(strict=True, ge=1, le=4096)] = 80
+    requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] | None = None
+    stage1: Literal["auto", "paper", "best-pair"] = "auto"
+    source: Literal["observations"] | None = Field(
+        None, description="replay the service's own stored observations")
+    trace: TraceIn | None = None
 
     @field_validator("policies")
     @classmethod
@@ -293,22 +300,14 @@ class GridPoint(BaseModel):
     gamma: Annotated[float, Field(gt=0, le=1)]
 
 
-class TuningIn(BaseModel):
+class TuningIn(ReplayIn):
     """Replay recent stored traffic over BR-0 and a grid of BR-H settings."""
 
-    model_config = ConfigDict(extra="forbid")
     source: Literal["observations"] = Field(
         "observations", description="the service's own stored observations (the most recent "
         "`requests` of them, in completion order)")
-    workers: list[Annotated[int, Field(strict=True, ge=1, le=256)]] = Field(
-        default_factory=lambda: [8], min_length=1, max_length=1)
-    batch: Annotated[int, Field(strict=True, ge=1, le=1024)] = 64
-    load: float | Literal["backlog"] = 1.0
-    seed: int = 0
-    refresh_steps: Annotated[int, Field(strict=True, ge=1, le=10_000)] = 10
+    workers: list[Workers] = Field(default_factory=lambda: [8], min_length=1, max_length=1)
     requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] = 20_000
-    step_cost: tuple[Annotated[float, Field(ge=0, le=1.0)],
-                     Annotated[float, Field(ge=0, le=10.0)]] | None = None
     estimator: str = Field("exact_match", description="the estimator BR-H would use")
     grid: list[GridPoint] | None = Field(
         None, max_length=32, description="BR-H settings to try (default: a small built-in "
@@ -321,13 +320,6 @@ class TuningIn(BaseModel):
     def _registered(cls, value: str) -> str:
         if value not in estimator_names():
             raise ValueError(f"unknown estimator; known: {', '.join(estimator_names())}")
-        return value
-
-    @field_validator("load")
-    @classmethod
-    def _positive(cls, value: float | str) -> float | str:
-        if not isinstance(value, str) and not 0 < value <= 100:
-            raise ValueError("load must be in (0, 100] or 'backlog'")
         return value
 
 

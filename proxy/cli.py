@@ -13,7 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from router_client.simulator import DEFAULT_STEP_COST
+from router_client.errors import ParameterError
+from router_client.simulator import DEFAULT_STEP_COST, parse_step_cost
 
 
 def _urls(text: str) -> list[str]:
@@ -25,12 +26,9 @@ def _urls(text: str) -> list[str]:
 
 def _step_cost(text: str) -> tuple[float, float]:
     try:
-        a, b = (float(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--step-cost takes A,B: {text!r}") from None
-    if a < 0 or b < 0:
-        raise argparse.ArgumentTypeError("--step-cost values must be >= 0")
-    return a, b
+        return parse_step_cost(text)
+    except ParameterError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
 
 
 def _positive_float(text: str) -> float:

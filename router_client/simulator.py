@@ -47,6 +47,17 @@ from .traces import Trace
 DEFAULT_STEP_COST = (1.5e-7, 0.010)
 BACKLOG_DEPTH_PER_WORKER = 4
 
+def parse_step_cost(text: str) -> tuple[float, float]:
+    """``"A,B"`` (seconds per KV token, fixed seconds per step) for ``--step-cost``."""
+    try:
+        a, b = (float(v) for v in text.split(","))
+    except ValueError:
+        raise ParameterError("step_cost", f"takes A,B (two numbers): {text!r}") from None
+    if a < 0 or b < 0:
+        raise ParameterError("step_cost", "A and B must be >= 0")
+    return a, b
+
+
 ProgressCallback = Callable[[float], None]
 StepHook = Callable[[int], None]
 

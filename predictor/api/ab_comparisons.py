@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter
 from fastapi.exceptions import RequestValidationError
 
 from router_client.errors import TraceError
@@ -10,7 +10,7 @@ from router_client.traces import Trace, parse_trace
 
 from ..abjobs import TooManyJobs
 from ..schemas import MAX_TOKENS, AbComparisonIn, AbJobCreated, AbJobOut
-from .deps import AbJobsDep, WriteAuth
+from .deps import AbJobsDep, WriteAuth, job_or_404
 
 router = APIRouter(prefix="/v1/ab-comparisons", tags=["a/b"])
 
@@ -58,17 +58,11 @@ def list_ab_comparisons(jobs: AbJobsDep) -> list[dict]:
 @router.get("/{job_id}", response_model=AbJobOut)
 def get_ab_comparison(job_id: str, jobs: AbJobsDep) -> dict:
     """A job's status, progress and, when done, its result rows."""
-    job = jobs.get(job_id, "ab")
-    if job is None:
-        raise HTTPException(404, f"no A/B comparison {job_id!r}")
-    return job
+    return job_or_404(jobs.get(job_id, "ab"), "A/B comparison", job_id)
 
 
 @router.delete("/{job_id}", response_model=AbJobOut, dependencies=[WriteAuth])
 def cancel_ab_comparison(job_id: str, jobs: AbJobsDep) -> dict:
     """Cancel a queued or running comparison (status ``cancelled``; a running one stops at
     its next progress report)."""
-    job = jobs.cancel(job_id, "ab")
-    if job is None:
-        raise HTTPException(404, f"no A/B comparison {job_id!r}")
-    return job
+    return job_or_404(jobs.cancel(job_id, "ab"), "A/B comparison", job_id)

@@ -41,3 +41,10 @@ ServiceDep = Annotated[PredictorService, Depends(get_service)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 AbJobsDep = Annotated[AbJobRunner, Depends(get_ab_jobs)]
 WriteAuth = Depends(require_token)
+
+
+def job_or_404(job: dict | None, what: str, job_id: str) -> dict:
+    """A job's answer, or 404 naming what was looked for."""
+    if job is None:
+        raise HTTPException(404, f"no {what} {job_id!r}")
+    return job

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter
 from fastapi.exceptions import RequestValidationError
 
 from ..abjobs import TooManyJobs
 from ..schemas import AbJobCreated, AbJobOut, TuningIn
-from .deps import AbJobsDep, WriteAuth
+from .deps import AbJobsDep, WriteAuth, job_or_404
 
 router = APIRouter(prefix="/v1/tunings", tags=["tuning"])
 
@@ -32,15 +32,9 @@ def list_tunings(jobs: AbJobsDep) -> list[dict]:
 @router.get("/{job_id}", response_model=AbJobOut)
 def get_tuning(job_id: str, jobs: AbJobsDep) -> dict:
     """Status, progress and, when done, the ranked settings and the recommendation."""
-    job = jobs.get(job_id, "tuning")
-    if job is None:
-        raise HTTPException(404, f"no tuning {job_id!r}")
-    return job
+    return job_or_404(jobs.get(job_id, "tuning"), "tuning", job_id)
 
 
 @router.delete("/{job_id}", response_model=AbJobOut, dependencies=[WriteAuth])
 def cancel_tuning(job_id: str, jobs: AbJobsDep) -> dict:
-    job = jobs.cancel(job_id, "tuning")
-    if job is None:
-        raise HTTPException(404, f"no tuning {job_id!r}")
-    return job
+    return job_or_404(jobs.cancel(job_id, "tuning"), "tuning", job_id)

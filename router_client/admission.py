@@ -40,7 +40,7 @@ import numpy as np
 from .errors import ContractError, ParameterError
 from .fleet import Assignment, FleetView, WaitingRequest
 from .fscore import MarginTable, candidate_rows, discounts
-from .projection import projected_loads
+from .projection import mixture_loads, projected_loads
 from .subset import SubsetChoice, best_subset
 
 Stage1Rule = Literal["auto", "paper", "best-pair"]
@@ -152,9 +152,12 @@ def build_table(fleet: FleetView, params: BalanceRouteParams) -> MarginTable:
             raise ValueError("BR-H needs c_hat for every active request")
         loads = fleet.loads.astype(np.float64)[:, None]
         return MarginTable(loads, discounts(0, params.gamma), params.alpha, beta)
-    loads = projected_loads(
-        fleet.workers, params.horizon, fleet.active_worker, fleet.active_size, fleet.active_c_hat
-    )
+    if fleet.active_p_fin is not None and fleet.active_mu_rem is not None:
+        loads = mixture_loads(fleet.workers, params.horizon, fleet.active_worker,
+                              fleet.active_size, fleet.active_p_fin, fleet.active_mu_rem)
+    else:
+        loads = projected_loads(fleet.workers, params.horizon, fleet.active_worker,
+                                fleet.active_size, fleet.active_c_hat)
     return MarginTable(loads, discounts(params.horizon, params.gamma), params.alpha, beta)
 
 

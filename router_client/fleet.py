@@ -50,6 +50,10 @@ class FleetView:
         pool_c_hat: for each waiting request of the pool passed with this view (same order),
             its predicted capped life ``c_hat`` once admitted (NaN: not predicted yet), or
             ``None``. BR-H projects a candidate's own added load with it; unknown means H.
+        active_p_fin, active_mu_rem: for each active request, the probability of ending
+            within H and the mean remaining if it does, when the predictor gives them; BR-H
+            then projects the expected load under that two-point law instead of a
+            deterministic end at ``c_hat``.
     """
 
     capacity: int
@@ -59,6 +63,8 @@ class FleetView:
     active_size: np.ndarray
     active_c_hat: np.ndarray | None = None
     pool_c_hat: np.ndarray | None = None
+    active_p_fin: np.ndarray | None = None
+    active_mu_rem: np.ndarray | None = None
 
     @property
     def workers(self) -> int:

@@ -95,6 +95,11 @@ class HttpPredictor:
             answer = orjson.loads(response.content)
             c_hat = np.fromiter((item["c_hat"] for item in answer["items"]), dtype=np.float64,
                                 count=len(items))
+            p_fin = np.fromiter((item.get("p_fin", np.nan) for item in answer["items"]),
+                                dtype=np.float64, count=len(items))
+            mu_rem = np.fromiter((np.nan if item.get("mu_rem") is None else item["mu_rem"]
+                                  for item in answer["items"]), dtype=np.float64,
+                                 count=len(items))
             self.drifted = bool(answer.get("drifted", False))
             recommendation = answer.get("recommendation")
             if recommendation is not None and not isinstance(recommendation, dict):
@@ -108,7 +113,9 @@ class HttpPredictor:
         if recommendation is not None and self.follow_recommendation and recommendation.get(
                 "policy") == "brh" and isinstance(recommendation.get("estimator"), str):
             self.estimator = recommendation["estimator"]  # ask that one from the next refresh
-        return Prediction(c_hat, drifted=self.drifted, recommendation=recommendation)
+        known = np.isfinite(p_fin).all()
+        return Prediction(c_hat, drifted=self.drifted, recommendation=recommendation,
+                          p_fin=p_fin if known else None, mu_rem=mu_rem if known else None)
 
     def observe(self, finished: FinishedBatch) -> None:
         reasons = finished.finish_reasons or [

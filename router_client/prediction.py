@@ -62,6 +62,7 @@ class PredictionCache:
         self.last_refresh: int | None = None
         self.fallback_rounds = 0
         self._c_hat: dict[Hashable, float] = {}
+        self._law: dict[Hashable, tuple[float, float]] = {}  # (p_fin, mu_rem), when given
         self._since: dict[Hashable, int] = {}  # step the answer's clock started (active ones)
 
     @property
@@ -92,6 +93,11 @@ class PredictionCache:
             values = np.asarray(prediction.c_hat, dtype=np.float64).tolist()
             self._c_hat = dict(zip(ids, values, strict=True))
             self._since = dict.fromkeys(ids[:n_active], step)
+            self._law = {}
+            if prediction.p_fin is not None and prediction.mu_rem is not None:
+                self._law = dict(zip(ids, zip(np.asarray(prediction.p_fin).tolist(),
+                                              np.asarray(prediction.mu_rem).tolist(),
+                                              strict=True), strict=True))
         self.use_predictions = self.controller.on_refresh(step, healthy, reason)
         return Refresh(step, healthy, reason, self.use_predictions)
 
@@ -104,6 +110,23 @@ class PredictionCache:
         for request_id in request_ids:
             self._c_hat.pop(request_id, None)
             self._since.pop(request_id, None)
+            self._law.pop(request_id, None)
+
+    def law_for(self, request_ids: Sequence[Hashable], step: int
+                ) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(p_fin, mu_rem)`` now for running requests, when the predictor gave them and BR-H
+        may use predictions; ``mu_rem`` ages like ``c_hat`` (floored at 1). A request without
+        an answer counts as running through the window (``p_fin = 0``)."""
+        if not self.use_predictions or not self._law:
+            return None
+        n = len(request_ids)
+        unknown = (0.0, float(self.horizon))
+        laws = [self._law.get(r, unknown) for r in request_ids]
+        p = np.fromiter((law[0] for law in laws), np.float64, n)
+        mu = np.fromiter((law[1] for law in laws), np.float64, n)
+        since = np.fromiter((self._since.get(r, step) for r in request_ids), np.int64, n)
+        mu = np.where(np.isfinite(mu), np.maximum(mu - (step - since), 1.0), mu)
+        return p, mu
 
     def waiting_c_hat(self, request_ids: Sequence[Hashable]) -> np.ndarray:
         """The last answer for each waiting request (asked at 0 tokens generated), NaN where

@@ -40,6 +40,9 @@ class FinishedBatch:
 class Prediction:
     """``c_hat`` per request, or ``None`` when the predictor cannot answer (then BR-0).
 
+    ``p_fin`` and ``mu_rem``, when given, let the projection use the two-point law they
+    describe instead of a deterministic end at ``c_hat`` (see
+    :func:`~router_client.projection.mixture_loads`).
     ``recommendation`` is the service's current advice on which policy to run, when it has
     one: ``{"policy": "br0"}`` or ``{"policy": "brh", "horizon", "beta", "gamma",
     "estimator"}`` (see ``balanceroute tune``).
@@ -48,6 +51,8 @@ class Prediction:
     c_hat: np.ndarray | None
     drifted: bool = False
     recommendation: dict | None = None
+    p_fin: np.ndarray | None = None  # P(ends within H), when the predictor knows it
+    mu_rem: np.ndarray | None = None  # mean remaining if it does (NaN where p_fin is 0)
 
 
 @runtime_checkable

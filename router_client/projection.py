@@ -13,14 +13,44 @@ from __future__ import annotations
 import numpy as np
 
 
+def mixture_loads(
+    workers: int,
+    horizon: int,
+    active_worker: np.ndarray,
+    active_size: np.ndarray,
+    p_fin: np.ndarray,
+    mu_rem: np.ndarray,
+) -> np.ndarray:
+    """Expected loads when each request ends within H with probability ``p_fin``, after
+    ``mu_rem`` steps on average if it does, and runs through the window otherwise.
+
+    The two-point law that the service's (``c_hat``, ``p_fin``, ``mu_rem``) describe: weight
+    ``p_fin`` of the request alive for ``mu_rem`` steps plus weight ``1 - p_fin`` alive
+    throughout. A deterministic step at ``c_hat = (1 - p_fin) H + p_fin mu_rem`` would
+    instead take a request that is as likely to end in 5 steps as to outlive the window for
+    one that surely runs 42 steps and then surely stops. With true lengths (``p_fin`` 0 or 1)
+    the two agree.
+    """
+    p = np.clip(np.asarray(p_fin, dtype=np.float64), 0.0, 1.0)
+    mu = np.asarray(mu_rem, dtype=np.float64)
+    mu = np.where(np.isfinite(mu) & (p > 0), mu, float(horizon))
+    ending = projected_loads(workers, horizon, active_worker, active_size,
+                             np.minimum(mu, horizon - 1e-9), weight=p)
+    running = projected_loads(workers, horizon, active_worker, active_size,
+                              np.full(p.shape, float(horizon)), weight=1.0 - p)
+    return ending + running
+
+
 def projected_loads(
     workers: int,
     horizon: int,
     active_worker: np.ndarray,
     active_size: np.ndarray,
     c_hat: np.ndarray,
+    weight: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Loads ``L_{g,h}`` for h = 0..H, shape ``(G, H+1)``."""
+    """Loads ``L_{g,h}`` for h = 0..H, shape ``(G, H+1)``; ``weight`` scales each request
+    (default 1)."""
     width = horizon + 2
     if active_worker.size == 0:
         return np.zeros((workers, horizon + 1), dtype=np.float64)
@@ -31,8 +61,9 @@ def projected_loads(
     full[capped] = horizon + 1  # "at least H": alive through h = H (width H+2 has room)
     fraction[capped] = 0.0
     base = active_worker.astype(np.int64) * width
-    size = active_size.astype(np.float64)
-    ones = np.ones_like(size)
+    ones = (np.ones(active_size.shape) if weight is None
+            else np.asarray(weight, dtype=np.float64))
+    size = active_size.astype(np.float64) * ones
     # Difference arrays over h: +x at 0, -x at `full`; prefix sums give the alive totals.
     starts = np.bincount(base, weights=size, minlength=workers * width)
     starts -= np.bincount(base + full, weights=size, minlength=workers * width)
@@ -42,6 +73,6 @@ def projected_loads(
     alive_count = np.cumsum(count.reshape(workers, width), axis=1)[:, :-1]
     steps = np.arange(horizon + 1, dtype=np.float64)
     out = alive_size + alive_count * steps[None, :]
-    partial = np.bincount(base + full, weights=fraction * (size + full),
+    partial = np.bincount(base + full, weights=fraction * (size + ones * full),
                           minlength=workers * width).reshape(workers, width)[:, :-1]
     return out + partial

@@ -27,7 +27,7 @@ Determinism: everything random comes from ``seed``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from time import perf_counter
 
 import numpy as np
@@ -159,8 +159,7 @@ class Engine:
         return np.bincount(self.worker[active], weights=self.size[active],
                            minlength=self.workers)
 
-    def view(self, c_hat: np.ndarray | None = None,
-             pool_c_hat: np.ndarray | None = None) -> FleetView:
+    def view(self, c_hat: np.ndarray | None = None) -> FleetView:
         idx = np.flatnonzero(self.active)
         return FleetView(
             capacity=self.batch,
@@ -169,7 +168,6 @@ class Engine:
             active_worker=self.worker[idx],
             active_size=self.size[idx].astype(np.float64),
             active_c_hat=c_hat,
-            pool_c_hat=pool_c_hat,
         )
 
     def free_slot(self, worker: int) -> int:
@@ -384,10 +382,13 @@ class Simulation:
             if c_hat is None:
                 self.metrics.fallback_rounds.append(self.step)
         visible = self.pool[: self.config.pool_window]
-        pool_c_hat = None
+        view = self.engine.view(c_hat)
         if c_hat is not None:
-            pool_c_hat = self.cache.waiting_c_hat([r.request_id for r in visible])
-        decision = self.policy.route(self.engine.view(c_hat, pool_c_hat), visible)
+            law = self.cache.law_for(running, self.step)
+            view = replace(view, pool_c_hat=self.cache.waiting_c_hat(
+                [r.request_id for r in visible]), active_p_fin=None if law is None else law[0],
+                active_mu_rem=None if law is None else law[1])
+        decision = self.policy.route(view, visible)
         if not decision.assignments:
             return
         taken: set[int] = set()

@@ -22,7 +22,8 @@ class LearnerPredictor:
         running = getattr(self.estimator, "observe_running", None)
         if running is not None:
             running(features)
-        return Prediction(self.estimator.predict(features, horizon).c_hat)
+        estimate = self.estimator.predict(features, horizon)
+        return Prediction(estimate.c_hat, p_fin=estimate.p_fin, mu_rem=estimate.mu_rem)
 
     def observe(self, finished: FinishedBatch) -> None:
         self.estimator.partial_fit(Outcomes.of(

@@ -2,7 +2,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router_client.projection import projected_loads
+from router_client.projection import mixture_loads, projected_loads
 
 
 def direct_projection(workers, horizon, worker, size, c_hat):
@@ -36,3 +36,24 @@ def test_h0_column_is_the_current_load_and_requests_grow():
     # a fractional life: half weight on the step after the whole ones
     got = projected_loads(1, 3, np.array([0]), np.array([10.0]), np.array([1.5]))
     np.testing.assert_allclose(got[0], [10, 5.5, 0, 0])
+
+
+def test_mixture_with_certain_outcomes_is_the_step_projection():
+    rng = np.random.default_rng(3)
+    workers, horizon, n = 3, 20, 30
+    worker = rng.integers(0, workers, n)
+    size = rng.integers(10, 500, n).astype(float)
+    remaining = rng.integers(1, 40, n)
+    c_hat = np.minimum(remaining, horizon).astype(float)
+    p_fin = (remaining < horizon).astype(float)
+    mixture = mixture_loads(workers, horizon, worker, size, p_fin, remaining.astype(float))
+    step = projected_loads(workers, horizon, worker, size, c_hat)
+    np.testing.assert_allclose(mixture, step)
+
+
+def test_mixture_is_the_expected_load_of_the_two_point_law():
+    # one request of size 100: ends after 5 steps with probability 0.5, else runs through H
+    got = mixture_loads(1, 10, np.array([0]), np.array([100.0]), np.array([0.5]),
+                        np.array([5.0]))[0]
+    want = [(100 + h) * (1.0 if h < 5 else 0.5) for h in range(11)]
+    np.testing.assert_allclose(got, want)

@@ -117,15 +117,10 @@ class RouterClient:
         self.fleet.reap(now)
         dispatches: list[tuple[str, int]] = []
         if self.fleet.pool:
-            c_hat = None
+            view, pool = self.fleet.view()
             if self.policy.needs_predictions:
-                c_hat = self.predictions.c_hat_for(list(self.fleet.active), step)
-            view, pool = self.fleet.view(c_hat)
-            if c_hat is not None:  # what the waiting requests were predicted to live
-                law = self.predictions.law_for(list(self.fleet.active), step)
-                view = replace(view, pool_c_hat=self.predictions.waiting_c_hat(
-                    [r.request_id for r in pool]), active_p_fin=None if law is None else law[0],
-                    active_mu_rem=None if law is None else law[1])
+                view = self.predictions.annotate(view, list(self.fleet.active),
+                                                 [r.request_id for r in pool], step)
             for assignment in self.policy.route(view, pool).assignments:
                 request_id = str(pool[assignment.pool_index].request_id)
                 if self.fleet.dispatch(request_id, assignment.worker, now):

@@ -21,11 +21,12 @@ Request ids are opaque and hashable (the simulator's integers, a proxy's strings
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .fallback import FallbackController
+from .fleet import FleetView
 from .predictors import ActiveBatch, Predictor, aged_c_hat
 
 
@@ -112,27 +113,32 @@ class PredictionCache:
             self._since.pop(request_id, None)
             self._law.pop(request_id, None)
 
-    def law_for(self, request_ids: Sequence[Hashable], step: int
-                ) -> tuple[np.ndarray, np.ndarray] | None:
-        """``(p_fin, mu_rem)`` now for running requests, when the predictor gave them and BR-H
-        may use predictions; ``mu_rem`` ages like ``c_hat`` (floored at 1). A request without
-        an answer counts as running through the window (``p_fin = 0``)."""
-        if not self.use_predictions or not self._law:
-            return None
-        n = len(request_ids)
-        unknown = (0.0, float(self.horizon))
-        laws = [self._law.get(r, unknown) for r in request_ids]
-        p = np.fromiter((law[0] for law in laws), np.float64, n)
-        mu = np.fromiter((law[1] for law in laws), np.float64, n)
-        since = np.fromiter((self._since.get(r, step) for r in request_ids), np.int64, n)
-        mu = np.where(np.isfinite(mu), np.maximum(mu - (step - since), 1.0), mu)
-        return p, mu
-
     def waiting_c_hat(self, request_ids: Sequence[Hashable]) -> np.ndarray:
         """The last answer for each waiting request (asked at 0 tokens generated), NaN where
         there is none; not aged, since a waiting request's life has not started."""
         return np.fromiter((self._c_hat.get(r, np.nan) for r in request_ids), np.float64,
                            len(request_ids))
+
+    def annotate(self, view: FleetView, running: Sequence[Hashable],
+                 waiting: Sequence[Hashable], step: int) -> FleetView:
+        """``view`` with everything BR-H reads from predictions: the aged ``c_hat`` of the
+        ``running`` requests (in the view's order; and ``p_fin``, aged ``mu_rem`` when the
+        predictor gave them) and the ``waiting`` ones' ``c_hat``. While BR-H must route as
+        BR-0 the view comes back without predictions (the round counts in
+        ``fallback_rounds``). The simulator and RouterClient both route through this."""
+        c_hat = self.c_hat_for(running, step)
+        if c_hat is None:
+            return view
+        p_fin = mu_rem = None
+        if self._law:
+            elapsed = step - self._since_of(running, step)
+            unknown = (0.0, float(self.horizon))  # no answer: runs through the window
+            laws = [self._law.get(r, unknown) for r in running]
+            p_fin = np.fromiter((law[0] for law in laws), np.float64, len(laws))
+            mu_rem = np.fromiter((law[1] for law in laws), np.float64, len(laws))
+            mu_rem = np.where(np.isfinite(mu_rem), np.maximum(mu_rem - elapsed, 1.0), mu_rem)
+        return replace(view, active_c_hat=c_hat, pool_c_hat=self.waiting_c_hat(waiting),
+                       active_p_fin=p_fin, active_mu_rem=mu_rem)
 
     def c_hat_for(self, request_ids: Sequence[Hashable], step: int) -> np.ndarray | None:
         """``c_hat`` now for running requests, or ``None`` while BR-H must route as BR-0
@@ -141,9 +147,12 @@ class PredictionCache:
             if self.horizon > 0:
                 self.fallback_rounds += 1
             return None
-        n = len(request_ids)
         horizon = float(self.horizon)
         answered = np.fromiter((self._c_hat.get(r, horizon) for r in request_ids),
-                               np.float64, n)
-        since = np.fromiter((self._since.get(r, step) for r in request_ids), np.int64, n)
-        return aged_c_hat(answered, step - since, self.horizon)
+                               np.float64, len(request_ids))
+        return aged_c_hat(answered, step - self._since_of(request_ids, step), self.horizon)
+
+    def _since_of(self, request_ids: Sequence[Hashable], step: int) -> np.ndarray:
+        """The step each answer's clock started (now, for a request without one)."""
+        return np.fromiter((self._since.get(r, step) for r in request_ids), np.int64,
+                           len(request_ids))

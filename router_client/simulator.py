@@ -27,7 +27,7 @@ Determinism: everything random comes from ``seed``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from time import perf_counter
 
 import numpy as np
@@ -159,7 +159,7 @@ class Engine:
         return np.bincount(self.worker[active], weights=self.size[active],
                            minlength=self.workers)
 
-    def view(self, c_hat: np.ndarray | None = None) -> FleetView:
+    def view(self) -> FleetView:
         idx = np.flatnonzero(self.active)
         return FleetView(
             capacity=self.batch,
@@ -167,7 +167,6 @@ class Engine:
             active_counts=np.bincount(self.worker[idx], minlength=self.workers),
             active_worker=self.worker[idx],
             active_size=self.size[idx].astype(np.float64),
-            active_c_hat=c_hat,
         )
 
     def free_slot(self, worker: int) -> int:
@@ -375,19 +374,13 @@ class Simulation:
         self.cache.refresh(self.step, batch, int(idx.size))
 
     def _route(self) -> None:
-        c_hat = None
-        if self.policy.needs_predictions:
-            running = self.engine.request[self.engine.active].tolist()
-            c_hat = self.cache.c_hat_for(running, self.step)
-            if c_hat is None:
-                self.metrics.fallback_rounds.append(self.step)
         visible = self.pool[: self.config.pool_window]
-        view = self.engine.view(c_hat)
-        if c_hat is not None:
-            law = self.cache.law_for(running, self.step)
-            view = replace(view, pool_c_hat=self.cache.waiting_c_hat(
-                [r.request_id for r in visible]), active_p_fin=None if law is None else law[0],
-                active_mu_rem=None if law is None else law[1])
+        view = self.engine.view()
+        if self.policy.needs_predictions:
+            view = self.cache.annotate(view, self.engine.request[self.engine.active].tolist(),
+                                       [r.request_id for r in visible], self.step)
+            if view.active_c_hat is None:
+                self.metrics.fallback_rounds.append(self.step)
         decision = self.policy.route(view, visible)
         if not decision.assignments:
             return

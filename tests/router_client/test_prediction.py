@@ -79,3 +79,20 @@ def test_no_predictor_means_br0_and_no_refresh():
     assert cache.c_hat_for(["a"], 0) is None and cache.fallback_rounds == 1
     with pytest.raises(ValueError):
         cache.refresh(0, batch(["a"]), 1)
+
+
+def test_annotate_gives_brh_everything_or_nothing():
+    from router_client.fleet import FleetView
+
+    view = FleetView.from_active(2, 4, np.array([0, 1]), np.array([100.0, 200.0]))
+    cache = PredictionCache(Scripted([None, [30.0, 80.0, 12.0]]), horizon=80, refresh_steps=1)
+    cache.refresh(0, batch(["a", "b", "w"], [2, 2, 0]), n_active=2)
+    assert cache.annotate(view, ["a", "b"], ["w"], 0) is view  # unavailable: BR-0, untouched
+    for step in range(1, 4):  # three healthy refreshes bring BR-H back
+        if step > 1:
+            cache.predictor.answers.append([30.0, 80.0, 12.0])
+        cache.refresh(step, batch(["a", "b", "w"], [2, 2, 0]), n_active=2)
+    got = cache.annotate(view, ["a", "b"], ["w", "new"], 5)
+    np.testing.assert_array_equal(got.active_c_hat, [28.0, 80.0])
+    np.testing.assert_array_equal(got.pool_c_hat[:1], [12.0])
+    assert np.isnan(got.pool_c_hat[1]) and got.active_p_fin is None

@@ -160,18 +160,8 @@ def tune(trace: Trace, config: SimConfig, estimator: str = "exact_match",
         chosen = Candidate("brh", best["horizon"], best["beta"], best["gamma"])
     result = TuningResult(ranked, recommendation_of(chosen, estimator))
     if holdout > 0:
-        later = _later(trace, split)
+        later = trace.take(np.arange(split, len(trace)))  # replays shift times to 0
         result.evaluation = [
             _replay(later, c, config, base, estimator, settings, None, warm=past)
             for c in dict.fromkeys([Candidate("br0"), chosen])]
     return result
-
-
-def _later(trace: Trace, split: int) -> Trace:
-    """Requests from ``split`` on, as a trace of their own (times shifted to start at 0)."""
-    arrivals = None
-    if trace.arrival_s is not None:
-        arrivals = trace.arrival_s[split:] - trace.arrival_s[split]
-    return Trace(f"{trace.name}[{split}:]", trace.prompt_tokens[split:],
-                 trace.output_tokens[split:], trace.censored[split:],
-                 list(trace.prompt_keys[split:]), arrivals)

@@ -10,6 +10,7 @@ import gc
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -140,6 +141,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.service = service
     app.state.metrics = metrics
+    app.state.png_cache = OrderedDict()  # reliability diagrams by (query, scored count)
     app.state.ab_jobs = AbJobRunner(service.sessions, settings.max_queued_jobs,
                                     on_tuned=lambda advice: setattr(service, "recommendation",
                                                                     advice))

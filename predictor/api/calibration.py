@@ -50,7 +50,7 @@ def calibration_png(request: Request, service: ServiceDep, horizon: Horizon = No
     small cache: repeated calls cost nothing until a new outcome is scored."""
     from ..plots import reliability_png  # matplotlib only when a diagram is asked for
 
-    cache: OrderedDict = request.app.state.__dict__.setdefault("png_cache", OrderedDict())
+    cache: OrderedDict = request.app.state.png_cache
     key = (horizon, _checked(estimator, service), window, service.tracker.scored.count)
     png = cache.get(key)
     if png is None:

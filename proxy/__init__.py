@@ -1,5 +1,5 @@
 """The serving side of BalanceRoute: an OpenAI-compatible routing proxy, an engine emulator for
-tests and capacity planning, and a load generator (SPEC.md section 7, issue 11).
+tests and capacity planning, and a load generator (the paper's serving proxy).
 
 Built on :mod:`router_client` (``RouterClient`` holds the fleet state); it talks to the
 prediction service only over HTTP and never imports ``predictor`` or ``models``.

@@ -1,6 +1,6 @@
 """``balanceroute proxy``: OpenAI-compatible routing proxy in front of DP decode ranks.
 
-One request, end to end (SPEC.md section 7):
+One request, end to end (the paper's serving proxy):
 
 1. ``POST /v1/completions`` or ``/v1/chat/completions`` arrives; its prompt token count comes
    from :mod:`proxy.tokens` (exact for token-id prompts, ``chars / 4`` otherwise), or, with

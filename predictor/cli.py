@@ -114,6 +114,10 @@ def _add_ab(sub) -> None:
     ab.add_argument("--candidate-life", action=argparse.BooleanOptionalAction, default=True,
                     help="BR-H scores a candidate by its projected added work (s + h while its "
                     "own c_hat says it runs); --no-candidate-life: the paper's constant D")
+    ab.add_argument("--refill", action=argparse.BooleanOptionalAction, default=False,
+                    help="BR-H projects each slot emptied within the window as taken at once "
+                    "by a request of the pool's mean prompt (when the pool outnumbers the free "
+                    "slots); default off")
     ab.add_argument("--gamma", type=float, default=0.86, help="BR-H discount (default 0.86)")
     ab.add_argument("--rmax", type=int, default=4,
                     help="Stage-2 candidates per worker (default 4)")
@@ -240,7 +244,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         predictor_factory=factory,
         params=BalanceRouteParams(beta=args.beta, gamma=args.gamma, r_max=args.rmax,
                                   s_greedy=args.s_greedy, stage1=args.stage1,
-                                  candidate_life=args.candidate_life),
+                                  candidate_life=args.candidate_life, refill=args.refill),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

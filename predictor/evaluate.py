@@ -33,6 +33,7 @@ from router_client.traces import FORMATS, Trace, load_trace
 
 from .calibration import Pending, Scored, Shadow, sampled, score_outcome, summarize
 from .estimators import Estimator, Features, Outcomes, estimator_spec, estimator_specs
+from .estimators.base import observe_running
 from .settings import Settings
 
 
@@ -52,6 +53,7 @@ class ShadowPredictor:
 
     def predict(self, batch: ActiveBatch, horizon: int) -> Prediction:
         features = Features.of(batch.generated_tokens, batch.prompt_keys, batch.prompt_tokens)
+        observe_running(self.estimators.values(), features)  # as the service does
         answer = self.estimators[self.router].predict(features, horizon)
         rows = []
         for row, (rid, generated) in enumerate(zip(batch.request_ids.tolist(),
@@ -62,7 +64,7 @@ class ShadowPredictor:
                 rows.append(row)
         if rows:
             self._record(batch, features.take(rows), rows, horizon)
-        return Prediction(answer.c_hat)
+        return Prediction(answer.c_hat, p_fin=answer.p_fin, mu_rem=answer.mu_rem)
 
     def _record(self, batch: ActiveBatch, sub: Features, rows: list[int], horizon: int) -> None:
         answers = {name: est.predict(sub, horizon) for name, est in self.estimators.items()}

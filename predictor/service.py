@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from . import store
 from .calibration import CalibrationTracker, DriftMonitor, Scored, sampled
 from .estimators import Estimate, Estimator, Features, Outcomes, estimator_specs
+from .estimators.base import observe_running
 from .settings import Settings
 
 CENSORING_REASONS = ("length", "cancelled", "error")
@@ -264,10 +265,7 @@ class PredictorService:
         ``estimator`` is a registered name or ``auto`` (``BALANCEROUTE_AUTO_ESTIMATOR``)."""
         name = self.auto if estimator == "auto" else estimator
         with self.lock:
-            for each in self.estimators.values():  # the queried requests are running now
-                running = getattr(each, "observe_running", None)
-                if running is not None:
-                    running(features)
+            observe_running(self.estimators.values(), features)  # queried: running now
             estimate = self.estimators[name].predict(features, horizon)
             if estimator == "auto":
                 self.auto_queries += len(features)

@@ -62,12 +62,15 @@ class Candidate:
                        gamma=base.gamma if self.gamma is None else self.gamma)
 
 
-# Small on purpose: every candidate is a full replay. H spans a short and the paper's
-# lookahead; beta is the consistent alpha * G (None: each step on BR-0's scale) or the paper's
-# deployment value 43; gamma a fast and a slow discount.
+# Small on purpose: every candidate is a full replay. H spans a short lookahead, the paper's
+# and a long one, gamma a fast discount (effective horizon about 7 steps: only sharp
+# predictions pay) and a slow one (about 33 steps: a predictor that knows a request's length
+# only to within +-25% still says which requests end in the next few hundred steps); beta the
+# consistent alpha * G, plus the paper's deployment point (H 80, beta 43, gamma 0.86).
 DEFAULT_GRID: tuple[Candidate, ...] = (
     Candidate("br0"),
-    *(Candidate("brh", h, b, g) for h in (20, 80) for b in (None, 43.0) for g in (0.86, 0.95)),
+    *(Candidate("brh", h, None, g) for h in (20, 80, 200) for g in (0.86, 0.97)),
+    Candidate("brh", 80, 43.0, 0.86),
 )
 
 

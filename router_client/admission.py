@@ -69,6 +69,11 @@ class BalanceRouteParams:
         candidate_life: score a candidate by its projected added work ``(s + h) * alive_h``
             (its own ``c_hat``, from ``FleetView.pool_c_hat``; unknown: alive over the window)
             instead of the paper's constant ``D = s`` over the whole window.
+        refill: when the pool holds more requests than there are free slots (saturation),
+            project every slot emptied within the window (an active request's, or a
+            candidate's own) as taken at once by a request of the pool's mean prompt, growing
+            from there, instead of left empty. Off by default: with true lengths it helps at
+            long horizons (H 200, gamma 0.97) and hurts at the default one (see the README).
     """
 
     horizon: int = 80
@@ -80,6 +85,7 @@ class BalanceRouteParams:
     stage1_candidates: int = 1024
     stage1: Stage1Rule = "auto"
     candidate_life: bool = True
+    refill: bool = False
 
     def __post_init__(self) -> None:
         if self.horizon < 0:
@@ -144,8 +150,10 @@ class RoundStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def build_table(fleet: FleetView, params: BalanceRouteParams) -> MarginTable:
-    """Projection, envelope and margins for one round (H = 0: the current loads)."""
+def build_table(fleet: FleetView, params: BalanceRouteParams,
+                refill: float | None = None) -> MarginTable:
+    """Projection, envelope and margins for one round (H = 0: the current loads); ``refill``:
+    the size of the request taking each slot emptied within the window (None: none)."""
     beta = params.effective_beta(fleet.workers)
     if fleet.active_c_hat is None:
         if params.horizon > 0:
@@ -154,10 +162,11 @@ def build_table(fleet: FleetView, params: BalanceRouteParams) -> MarginTable:
         return MarginTable(loads, discounts(0, params.gamma), params.alpha, beta)
     if fleet.active_p_fin is not None and fleet.active_mu_rem is not None:
         loads = mixture_loads(fleet.workers, params.horizon, fleet.active_worker,
-                              fleet.active_size, fleet.active_p_fin, fleet.active_mu_rem)
+                              fleet.active_size, fleet.active_p_fin, fleet.active_mu_rem,
+                              refill=refill)
     else:
         loads = projected_loads(fleet.workers, params.horizon, fleet.active_worker,
-                                fleet.active_size, fleet.active_c_hat)
+                                fleet.active_size, fleet.active_c_hat, refill=refill)
     return MarginTable(loads, discounts(params.horizon, params.gamma), params.alpha, beta)
 
 
@@ -186,15 +195,18 @@ class _Round:
                  params: BalanceRouteParams, free: np.ndarray, stats: RoundStats) -> None:
         self.fleet, self.params, self.free, self.stats = fleet, params, free, stats
         self.total_free = int(free.sum())
-        self.table = build_table(fleet, params)
         self.sizes = np.fromiter((r.prompt_tokens for r in pool), dtype=np.float64,
                                  count=len(pool))
+        refill = None
+        if params.refill and params.horizon > 0 and len(pool) > self.total_free:
+            refill = float(self.sizes[: params.stage1_candidates].mean())
+        self.table = build_table(fleet, params, refill)
         self.rows: np.ndarray | None = None
         if params.candidate_life and params.horizon > 0:
             pool_c_hat = fleet.pool_c_hat
             if pool_c_hat is not None and len(pool_c_hat) != len(pool):
                 pool_c_hat = None
-            self.rows = candidate_rows(self.sizes, pool_c_hat, params.horizon)
+            self.rows = candidate_rows(self.sizes, pool_c_hat, params.horizon, refill)
         self.waiting = list(range(len(pool)))  # pool indices still waiting, in arrival order
         self.short_pool = len(pool) <= self.total_free
         self.out: list[Assignment] = []

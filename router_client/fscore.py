@@ -34,7 +34,7 @@ def br0_score(D: float | np.ndarray, margin: float, workers: int) -> float | np.
 
 
 def candidate_rows(
-    sizes: np.ndarray, c_hat: np.ndarray | None, horizon: int
+    sizes: np.ndarray, c_hat: np.ndarray | None, horizon: int, refill: float | None = None
 ) -> np.ndarray:
     """Added work ``w_h = (s + h) * alive_h`` of each candidate, shape ``(n, H+1)``.
 
@@ -51,7 +51,12 @@ def candidate_rows(
     c = np.clip(np.where(np.isfinite(c), c, float(horizon)), 1.0, float(horizon))
     alive = np.clip(c[:, None] - steps[None, :], 0.0, 1.0)
     alive[c >= horizon] = 1.0
-    return rows * alive
+    out = rows * alive
+    if refill is not None:  # the emptied slot is taken at once by a request of that size
+        ended = np.where(c >= horizon, float(horizon + 1), np.floor(c))
+        after = steps[None, :] - ended[:, None]
+        out += np.where(after >= 0, refill + after, 0.0) * (1.0 - alive)
+    return out
 
 
 def discounts(horizon: int, gamma: float) -> np.ndarray:

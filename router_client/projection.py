@@ -20,6 +20,7 @@ def mixture_loads(
     active_size: np.ndarray,
     p_fin: np.ndarray,
     mu_rem: np.ndarray,
+    refill: float | None = None,
 ) -> np.ndarray:
     """Expected loads when each request ends within H with probability ``p_fin``, after
     ``mu_rem`` steps on average if it does, and runs through the window otherwise.
@@ -35,7 +36,7 @@ def mixture_loads(
     mu = np.asarray(mu_rem, dtype=np.float64)
     mu = np.where(np.isfinite(mu) & (p > 0), mu, float(horizon))
     ending = projected_loads(workers, horizon, active_worker, active_size,
-                             np.minimum(mu, horizon - 1e-9), weight=p)
+                             np.minimum(mu, horizon - 1e-9), weight=p, refill=refill)
     running = projected_loads(workers, horizon, active_worker, active_size,
                               np.full(p.shape, float(horizon)), weight=1.0 - p)
     return ending + running
@@ -48,9 +49,12 @@ def projected_loads(
     active_size: np.ndarray,
     c_hat: np.ndarray,
     weight: np.ndarray | None = None,
+    refill: float | None = None,
 ) -> np.ndarray:
     """Loads ``L_{g,h}`` for h = 0..H, shape ``(G, H+1)``; ``weight`` scales each request
-    (default 1)."""
+    (default 1). ``refill``: the size of the request that takes an emptied slot at once (a
+    saturated fleet), growing by one token per step from the step its predecessor ended;
+    ``None``: emptied slots stay empty."""
     width = horizon + 2
     if active_worker.size == 0:
         return np.zeros((workers, horizon + 1), dtype=np.float64)
@@ -75,4 +79,22 @@ def projected_loads(
     out = alive_size + alive_count * steps[None, :]
     partial = np.bincount(base + full, weights=fraction * (size + ones * full),
                           minlength=workers * width).reshape(workers, width)[:, :-1]
-    return out + partial
+    out += partial
+    if refill is not None:  # the refill shares step `full` with the partly alive request
+        out += _refills(workers, horizon, base + full, np.where(capped, 0.0, ones), full,
+                        refill)
+        out -= np.bincount(base + full, weights=fraction * ones * refill,
+                           minlength=workers * width).reshape(workers, width)[:, :-1]
+    return out
+
+
+def _refills(workers: int, horizon: int, where: np.ndarray, weight: np.ndarray,
+             start: np.ndarray, size: float) -> np.ndarray:
+    """Load of requests of ``size`` placed at step ``start`` (flat index ``where``), growing
+    by one token per step: ``size + h - start`` for h >= start."""
+    width = horizon + 2
+    level = np.bincount(where, weights=weight * (size - start), minlength=workers * width)
+    count = np.bincount(where, weights=weight, minlength=workers * width)
+    level = np.cumsum(level.reshape(workers, width), axis=1)[:, :-1]
+    count = np.cumsum(count.reshape(workers, width), axis=1)[:, :-1]
+    return level + count * np.arange(horizon + 1, dtype=np.float64)[None, :]

@@ -22,7 +22,7 @@ but not an end).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, Self, runtime_checkable
 
@@ -162,3 +162,12 @@ class BaseEstimator:
 
     def fit(self, outcomes: Outcomes) -> Self:
         return self.reset().partial_fit(outcomes)
+
+
+def observe_running(estimators: Iterable[Estimator], features: Features) -> None:
+    """Tell each estimator that has ``observe_running`` about the requests running now (the
+    one place the service, the in-process predictor and ``balanceroute calibrate`` do it)."""
+    for estimator in estimators:
+        running = getattr(estimator, "observe_running", None)
+        if running is not None:
+            running(features)

@@ -9,7 +9,7 @@ import numpy as np
 
 from router_client.predictors import ActiveBatch, FinishedBatch, Prediction
 
-from .base import Estimator, Features, Outcomes
+from .base import Estimator, Features, Outcomes, observe_running
 
 
 class LearnerPredictor:
@@ -19,9 +19,7 @@ class LearnerPredictor:
 
     def predict(self, batch: ActiveBatch, horizon: int) -> Prediction:
         features = Features.of(batch.generated_tokens, batch.prompt_keys, batch.prompt_tokens)
-        running = getattr(self.estimator, "observe_running", None)
-        if running is not None:
-            running(features)
+        observe_running([self.estimator], features)
         estimate = self.estimator.predict(features, horizon)
         return Prediction(estimate.c_hat, p_fin=estimate.p_fin, mu_rem=estimate.mu_rem)
 

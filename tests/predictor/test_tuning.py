@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from predictor.app import create_app
 from predictor.cli import main
 from predictor.settings import Settings
-from predictor.tuning import Candidate, parse_grid, tune
+from predictor.tuning import DEFAULT_GRID, Candidate, parse_grid, tune
 from router_client.client import RouterClient, RouterConfig
 from router_client.errors import ParameterError
 from router_client.predictors import Prediction
@@ -62,7 +62,7 @@ def test_tune_command(tmp_path):
                  "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["recommendation"]["policy"] in ("br0", "brh")
-    assert len(result["rows"]) == 9 and result["evaluation"]
+    assert len(result["rows"]) == len(DEFAULT_GRID) and result["evaluation"]
     assert "brh H=20 beta=G gamma=0.86" in {r["setting"] for r in result["rows"]}
 
 

@@ -2,6 +2,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from router_client.fscore import candidate_rows
 from router_client.projection import mixture_loads, projected_loads
 
 
@@ -57,3 +58,29 @@ def test_mixture_is_the_expected_load_of_the_two_point_law():
                         np.array([5.0]))[0]
     want = [(100 + h) * (1.0 if h < 5 else 0.5) for h in range(11)]
     np.testing.assert_allclose(got, want)
+
+
+def test_refill_takes_an_emptied_slot_hand_worked() -> None:
+    # One request of 10 tokens ending after 2 steps (H = 4); refills of 5 tokens grow from
+    # the step it ended: 10, 11, then 5, 6, 7. Without refill the slot stays empty.
+    worker, size = np.array([0]), np.array([10])
+    plain = projected_loads(1, 4, worker, size, np.array([2.0]))
+    np.testing.assert_allclose(plain, [[10, 11, 0, 0, 0]])
+    refilled = projected_loads(1, 4, worker, size, np.array([2.0]), refill=5.0)
+    np.testing.assert_allclose(refilled, [[10, 11, 5, 6, 7]])
+    # Half alive at step 2 (c_hat 2.5): 0.5 * 12 of it plus 0.5 * 5 of the refill.
+    half = projected_loads(1, 4, worker, size, np.array([2.5]), refill=5.0)
+    np.testing.assert_allclose(half, [[10, 11, 8.5, 6, 7]])
+    # "At least H" never empties its slot: no refill.
+    capped = projected_loads(1, 4, worker, size, np.array([4.0]), refill=5.0)
+    np.testing.assert_allclose(capped, projected_loads(1, 4, worker, size, np.array([4.0])))
+
+
+def test_refill_of_a_candidate_row_matches_the_projection() -> None:
+    rows = candidate_rows(np.array([3.0, 3.0]), np.array([2.0, 2.5]), 4, refill=5.0)
+    np.testing.assert_allclose(rows, [[3, 4, 5, 6, 7], [3, 4, 5, 6, 7]])
+    for c in (1.0, 2.0, 2.5, 3.7):
+        row = candidate_rows(np.array([3.0]), np.array([c]), 4, refill=5.0)[0]
+        projected = projected_loads(1, 4, np.array([0]), np.array([3]), np.array([c]),
+                                    refill=5.0)[0]
+        np.testing.assert_allclose(row, projected)

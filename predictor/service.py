@@ -79,8 +79,10 @@ class PredictorService:
         self.auto_hits = 0
         self.model_version = 0
         self.observations = 0
-        self.tracker = CalibrationTracker(list(self.estimators), s.calibration_sample_rate,
-                                          s.calibration_max_pending, s.calibration_capacity)
+        self.tracker = CalibrationTracker(
+            list(self.estimators), s.calibration_sample_rate, s.calibration_max_pending,
+            s.calibration_capacity,
+            s.calibration_max_pending_per_caller or max(1, s.calibration_max_pending // 4))
         self.drift = DriftMonitor(s.drift_length_effect, s.drift_loss_effect,
                                   s.drift_clear_after)
 
@@ -274,10 +276,12 @@ class PredictorService:
                 self.auto_hits += sum(1 for source in estimate.source if source == name)
             return ContributionAnswer(estimate, self.model_version, self.drift.drifted)
 
-    def record(self, request_ids: list[str], features: Features, horizon: int) -> None:
+    def record(self, request_ids: list[str], features: Features, horizon: int,
+               caller: str = "") -> None:
         """Keep a deterministic sample of a query's items, with every estimator's prediction
-        (shadow scoring), for scoring when their outcomes arrive. Runs after the answer has
-        been sent."""
+        (shadow scoring), for scoring when their outcomes arrive; ``caller`` (the client's
+        address) gets a fair share of the pending slots. Runs after the answer has been
+        sent."""
         rate = self.settings.calibration_sample_rate
         picks = [i for i, rid in enumerate(request_ids)
                  if sampled(rid, int(features.generated[i]), rate)]
@@ -293,6 +297,7 @@ class PredictorService:
                 {name: a.p_fin for name, a in answers.items()},
                 {name: a.c_hat for name, a in answers.items()},
                 {name: np.asarray([s == name for s in a.source]) for name, a in answers.items()},
+                caller,
             )
 
     @property

@@ -258,6 +258,14 @@ class HazardEstimator(BaseEstimator):
                 self._install(fitted)
         return self
 
+    def learn_keys(self, outcomes: Outcomes) -> Self:
+        """Only the per-key statistics of :meth:`partial_fit` (how a restart rebuilds them
+        from the keys' newest outcomes without replaying the rest)."""
+        ended = outcomes.events.tolist()
+        for i, output in enumerate(outcomes.output_tokens.tolist()):
+            self.keys_.add(outcomes.prompt_key[i], output, ended[i])
+        return self
+
     # A service must not hold the lock its queries take during a fit (about a second): it
     # sets ``defer_fits`` and calls :meth:`fit_deferred` after each ingested batch, which fits
     # outside the lock on a snapshot taken under it. The schedule (which batch triggers a fit,

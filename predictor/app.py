@@ -117,6 +117,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service.load()
+        service.start_tailing()
         app.state.ab_jobs.recover()
         service.recommendation = app.state.ab_jobs.latest_recommendation()
         refresh_gauges(service, metrics)
@@ -129,6 +130,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                  service.model_version)
         yield
         app.state.ab_jobs.shutdown()
+        service.stop_tailing()
         service.fitter.shutdown(wait=False, cancel_futures=True)
         engine.dispose()
 

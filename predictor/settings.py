@@ -61,5 +61,11 @@ class Settings(BaseSettings):
     calibration_capacity: int = Field(200_000, ge=1)
     drift_length_effect: float = Field(0.3, gt=0.0, le=1.0)
     drift_loss_effect: float = Field(0.05, gt=0.0, le=1.0)
+    replay_observations: int = Field(
+        50_000, ge=0, description="newest observations a restart replays in full (older ones "
+        "only for the prompt keys' newest outcomes); 0: every stored observation")
+    replica_poll_interval: float = Field(
+        1.0, ge=0.0, le=3600.0, description="seconds between two reads of the observations "
+        "table for what other replicas ingested (0: never)")
     max_queued_jobs: int = Field(8, ge=1, le=1000)
     drift_clear_after: int = Field(5000, ge=1)

@@ -14,6 +14,7 @@ from models import Observation, ScoredPrediction
 
 # SQLite allows 32766 bound parameters per statement in current builds, 999 in old ones.
 IN_CHUNK = 900
+MIGRATION_LOCK = 0x42524D47  # the PostgreSQL advisory lock key of migrations ("BRMG")
 
 
 def make_engine(url: str) -> Engine:
@@ -33,13 +34,19 @@ def make_engine(url: str) -> Engine:
 
 
 def migrate(engine: Engine) -> None:
-    """Bring the schema to the newest Alembic revision (from an empty database too)."""
+    """Bring the schema to the newest Alembic revision (from an empty database too); on
+    PostgreSQL under an advisory lock, so replicas starting at once do not race."""
     config = Config()
     # The migrations are package data (importlib.resources), so a regular, non-editable
     # ``pip install`` can migrate too.
     config.set_main_option("script_location", str(files("migrations")))
     config.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
     with engine.begin() as connection:
+        if connection.dialect.name == "postgresql":
+            # Replicas starting together on one database take turns (the lock is released
+            # with this transaction); the later ones find the schema at head.
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"),
+                               {"key": MIGRATION_LOCK})
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
 
@@ -67,11 +74,12 @@ def latest_batch(*, session: Session) -> int:
     return int(session.scalar(select(func.coalesce(func.max(Observation.batch), 0))) or 0)
 
 
-def _in_id_order(session: Session, columns: Sequence, chunk: int) -> Iterator[Sequence]:
+def _in_id_order(session: Session, columns: Sequence, chunk: int,
+                 after_id: int = 0) -> Iterator[Sequence]:
     """Rows of ``columns`` (the first is the table's id) in id order, ``chunk`` at a time
     (keyset pagination: constant memory whatever the table size)."""
     id_column = columns[0]
-    last_id = 0
+    last_id = after_id
     while True:
         rows = session.execute(
             select(*columns).where(id_column > last_id).order_by(id_column).limit(chunk)
@@ -82,12 +90,56 @@ def _in_id_order(session: Session, columns: Sequence, chunk: int) -> Iterator[Se
         yield rows
 
 
-def observations_in_order(*, session: Session, chunk: int = 20000) -> Iterator[Sequence]:
-    """All observations as (id, batch, output_tokens, censored, prompt_key, completed_at,
-    prompt_tokens), in ingestion order."""
-    return _in_id_order(session, (Observation.id, Observation.batch, Observation.output_tokens,
-                                  Observation.censored, Observation.prompt_key,
-                                  Observation.completed_at, Observation.prompt_tokens), chunk)
+_OBSERVATION_COLUMNS = (Observation.id, Observation.batch, Observation.output_tokens,
+                        Observation.censored, Observation.prompt_key, Observation.completed_at,
+                        Observation.prompt_tokens)
+
+
+def observations_in_order(*, session: Session, chunk: int = 20000,
+                          after_id: int = 0) -> Iterator[Sequence]:
+    """The observations with an id above ``after_id`` as (id, batch, output_tokens, censored,
+    prompt_key, completed_at, prompt_tokens), in ingestion order."""
+    return _in_id_order(session, _OBSERVATION_COLUMNS, chunk, after_id)
+
+
+def latest_per_key(*, session: Session, upto_id: int, per_key: int) -> list:
+    """Each prompt key's newest ``per_key`` observations with an id up to ``upto_id``, in id
+    order (one query with a window function; SQLite >= 3.25 and PostgreSQL)."""
+    rank = func.row_number().over(partition_by=Observation.prompt_key,
+                                  order_by=Observation.id.desc()).label("rank")
+    inner = (select(*_OBSERVATION_COLUMNS, rank)
+             .where(Observation.id <= upto_id, Observation.prompt_key.is_not(None))
+             .subquery())
+    return list(session.execute(
+        select(*[inner.c[c.key] for c in _OBSERVATION_COLUMNS])
+        .where(inner.c.rank <= per_key).order_by(inner.c.id)).all())
+
+
+def count_observations(*, session: Session, upto_id: int) -> int:
+    return int(session.scalar(select(func.count()).select_from(Observation)
+                              .where(Observation.id <= upto_id)) or 0)
+
+
+def observations_after(*, session: Session, after_id: int, limit: int = 20000) -> Sequence:
+    """Up to ``limit`` observations with an id above ``after_id``, in id order, shaped like
+    :func:`observations_in_order`'s rows (how a replica tails what others ingested)."""
+    return session.execute(
+        select(*_OBSERVATION_COLUMNS).where(Observation.id > after_id)
+        .order_by(Observation.id).limit(limit)).all()
+
+
+def observations_with_ids(*, session: Session, ids: Sequence[int]) -> list:
+    """The observations among ``ids`` that exist now (late commits filling a gap)."""
+    found: list = []
+    for start in range(0, len(ids), IN_CHUNK):
+        chunk = ids[start : start + IN_CHUNK]
+        found.extend(session.execute(
+            select(*_OBSERVATION_COLUMNS).where(Observation.id.in_(chunk))).all())
+    return sorted(found, key=lambda row: row[0])
+
+
+def latest_observation_id(*, session: Session) -> int:
+    return int(session.scalar(select(func.coalesce(func.max(Observation.id), 0))) or 0)
 
 
 def insert_scored(*, session: Session, rows: Sequence[dict], keep: int) -> None:

@@ -128,30 +128,64 @@ class PredictorService:
         """The newest ``replay_observations`` observations are replayed in full, batch by
         batch with the fits on the same schedule as when they were ingested (with fewer
         stored, a restart answers exactly as before). Older ones only matter to the per-key
-        state: each key's newest ``exact_match_bucket_window`` outcomes are replayed into the
-        estimators' per-key learning (:meth:`learn_keys`), oldest first."""
+        state: each key's newest ``exact_match_bucket_window`` outcomes are replayed into
+        ExactMatch's buckets, and the hazard model's per-key sums are read as aggregates
+        (:meth:`_replay_keys`)."""
         newest = store.latest_observation_id(session=session)
+        for estimator in self.estimators.values():
+            if hasattr(estimator, "refresh_deferred"):
+                estimator.defer_refresh = True  # type: ignore[attr-defined]
         keep = self.settings.replay_observations
         start = max(0, newest - keep) if keep else 0
         if start:
-            per_key = store.latest_per_key(session=session, upto_id=start,
-                                           per_key=self.settings.exact_match_bucket_window)
-            outcomes = _outcomes(per_key)
-            for estimator in self.estimators.values():
-                learn_keys = getattr(estimator, "learn_keys", None)
-                if learn_keys is not None and len(outcomes):
-                    learn_keys(outcomes)
+            self._replay_keys(session, start)
             self.observations = store.count_observations(session=session, upto_id=start)
         self.last_id = start
         pending: list = []
         for rows in store.observations_in_order(session=session, after_id=start):
             for row in rows:
                 if pending and row[1] != pending[0][1]:
-                    self._learn(pending, fit_now=True)
+                    self._learn(pending, replay=True)
                     pending = []
                 pending.append(row)
         if pending:
-            self._learn(pending, fit_now=True)
+            self._learn(pending, replay=True)
+        for estimator in self.estimators.values():
+            for finish in ("fit_skipped", "refresh_deferred"):
+                if hasattr(estimator, finish):
+                    getattr(estimator, finish)()
+
+    def _replay_keys(self, session: Session, upto_id: int) -> None:
+        """The per-key state of the observations up to ``upto_id``, from one scan of their
+        keys and lengths: each key's newest ``exact_match_bucket_window`` outcomes
+        (``learn_keys``), and all-time per-key sums (``load_key_statistics``)."""
+        keys: list[str] = []
+        lengths, censored = [], []
+        for rows in store.keyed_outcomes(session=session, upto_id=upto_id):
+            keys.extend(r[1] for r in rows)
+            lengths.append(np.fromiter((r[2] for r in rows), np.int64, len(rows)))
+            censored.append(np.fromiter((r[3] for r in rows), bool, len(rows)))
+        if not keys:
+            return
+        output, cut = np.concatenate(lengths), np.concatenate(censored)
+        index: dict[str, int] = {}
+        code = np.fromiter((index.setdefault(k, len(index)) for k in keys), np.int64, len(keys))
+        names = list(index)
+        order = np.argsort(code, kind="stable")  # by key, then in id order
+        starts = np.searchsorted(code[order], np.arange(len(names)))
+        ends = np.append(starts[1:], order.size)
+        from_end = np.repeat(ends, ends - starts) - np.arange(order.size) - 1
+        newest = np.sort(order[from_end < self.settings.exact_match_bucket_window])
+        outcomes = Outcomes.of(output[newest], cut[newest], [keys[i] for i in newest])
+        sums = None
+        for estimator in self.estimators.values():
+            if hasattr(estimator, "learn_keys"):
+                estimator.learn_keys(outcomes)
+            if hasattr(estimator, "load_key_statistics"):
+                if sums is None:
+                    sums = _key_sums(code, output, cut, names)
+                estimator.load_key_statistics(
+                    sums, store.ended_log_total(session=session, upto_id=upto_id))
 
     def _apply(self, rows: list) -> None:
         """Learn from rows shaped like :func:`store.observations_in_order`'s."""
@@ -249,21 +283,22 @@ class PredictorService:
             self._learn(late, advance=False)
         return len(late)
 
-    def _learn(self, rows, advance: bool = True, fit_now: bool = False) -> None:
-        """Apply stored rows (``store.observations_in_order``'s shape), batch by batch."""
+    def _learn(self, rows, advance: bool = True, replay: bool = False) -> None:
+        """Apply stored rows (``store.observations_in_order``'s shape), batch by batch; a
+        ``replay`` keeps the fit schedule but fits only the newest due fit (at the end)."""
         with self.lock:
             pending: list = []
             for row in rows:
                 if pending and row[1] != pending[0][1]:
                     self._apply(pending)
-                    if fit_now:
-                        self._fit_deferred()
+                    if replay:
+                        self._skip_due_fits()
                     pending = []
                 pending.append(row)
             if pending:
                 self._apply(pending)
-                if fit_now:
-                    self._fit_deferred()
+                if replay:
+                    self._skip_due_fits()
             if advance:
                 self.last_id = max(self.last_id, int(rows[-1][0]))
             self.model_version = max(self.model_version, max(int(r[1]) for r in rows))
@@ -318,6 +353,12 @@ class PredictorService:
             fit = getattr(estimator, "fit_deferred", None)
             if fit is not None:
                 fit(self.lock)
+
+    def _skip_due_fits(self) -> None:
+        for estimator in self.estimators.values():
+            skip = getattr(estimator, "skip_due_fit", None)
+            if skip is not None:
+                skip()
 
     def _store(self, observations: list[dict], attempts: int = 3) -> tuple[list[dict], int]:
         """Insert and commit the observations not stored yet; returns them and their batch.
@@ -439,6 +480,21 @@ class PredictorService:
     @property
     def uptime_s(self) -> float:
         return time.monotonic() - self.started
+
+
+def _key_sums(code: np.ndarray, output: np.ndarray, censored: np.ndarray,
+              names: list[str]) -> list[tuple[str, int, int, float]]:
+    """Per key: (key, count, ended, sum of ln(1 + output) over the ended), the most
+    recently seen key last."""
+    n = len(names)
+    ended = ~censored
+    count = np.bincount(code, minlength=n)
+    ends = np.bincount(code, weights=ended, minlength=n)
+    logs = np.bincount(code, weights=np.where(ended, np.log1p(output), 0.0), minlength=n)
+    last = np.zeros(n, dtype=np.int64)
+    np.maximum.at(last, code, np.arange(code.size))
+    return [(names[k], int(count[k]), int(ends[k]), float(logs[k]))
+            for k in np.argsort(last).tolist()]
 
 
 def _outcomes(rows) -> Outcomes:

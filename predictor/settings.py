@@ -62,7 +62,7 @@ class Settings(BaseSettings):
     drift_length_effect: float = Field(0.3, gt=0.0, le=1.0)
     drift_loss_effect: float = Field(0.05, gt=0.0, le=1.0)
     replay_observations: int = Field(
-        50_000, ge=0, description="newest observations a restart replays in full (older ones "
+        20_000, ge=0, description="newest observations a restart replays in full (older ones "
         "only for the prompt keys' newest outcomes); 0: every stored observation")
     replica_poll_interval: float = Field(
         1.0, ge=0.0, le=3600.0, description="seconds between two reads of the observations "

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from importlib.resources import files
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, text
+from sqlalchemy import Engine, case, create_engine, delete, event, func, insert, select, text
 from sqlalchemy.orm import Session
 
 from models import Observation, ScoredPrediction
@@ -27,6 +28,10 @@ def make_engine(url: str) -> Engine:
             cursor = dbapi_connection.cursor()
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA synchronous=FULL")
+            try:
+                cursor.execute("SELECT ln(1.0)")
+            except Exception:  # SQLite built without its math functions
+                dbapi_connection.create_function("ln", 1, math.log, deterministic=True)
             cursor.close()
 
         return engine
@@ -81,7 +86,7 @@ def _in_id_order(session: Session, columns: Sequence, chunk: int,
     id_column = columns[0]
     last_id = after_id
     while True:
-        rows = session.execute(
+        rows = session.connection().execute(
             select(*columns).where(id_column > last_id).order_by(id_column).limit(chunk)
         ).all()
         if not rows:
@@ -102,17 +107,34 @@ def observations_in_order(*, session: Session, chunk: int = 20000,
     return _in_id_order(session, _OBSERVATION_COLUMNS, chunk, after_id)
 
 
-def latest_per_key(*, session: Session, upto_id: int, per_key: int) -> list:
-    """Each prompt key's newest ``per_key`` observations with an id up to ``upto_id``, in id
-    order (one query with a window function; SQLite >= 3.25 and PostgreSQL)."""
-    rank = func.row_number().over(partition_by=Observation.prompt_key,
-                                  order_by=Observation.id.desc()).label("rank")
-    inner = (select(*_OBSERVATION_COLUMNS, rank)
-             .where(Observation.id <= upto_id, Observation.prompt_key.is_not(None))
-             .subquery())
-    return list(session.execute(
-        select(*[inner.c[c.key] for c in _OBSERVATION_COLUMNS])
-        .where(inner.c.rank <= per_key).order_by(inner.c.id)).all())
+def keyed_outcomes(*, session: Session, upto_id: int, chunk: int = 100_000
+                   ) -> Iterator[Sequence]:
+    """(id, prompt_key, output_tokens, censored) of the observations with a prompt key and an
+    id up to ``upto_id``, in id order, ``chunk`` at a time (what a restart needs of the
+    observations it does not replay)."""
+    last_id = 0
+    while True:
+        rows = session.connection().execute(
+            select(Observation.id, Observation.prompt_key, Observation.output_tokens,
+                   Observation.censored)
+            .where(Observation.id > last_id, Observation.id <= upto_id,
+                   Observation.prompt_key.is_not(None))
+            .order_by(Observation.id).limit(chunk)).all()
+        if not rows:
+            return
+        last_id = rows[-1][0]
+        yield rows
+
+
+def ended_log_total(*, session: Session, upto_id: int) -> tuple[int, float]:
+    """Over the observations with an id up to ``upto_id`` (with or without a key): how many
+    ended, and the sum of ``ln(1 + output)`` over those."""
+    ended = ~Observation.censored
+    total = session.connection().execute(
+        select(func.sum(case((ended, 1), else_=0)),
+               func.sum(case((ended, func.ln(Observation.output_tokens + 1.0)), else_=0.0)))
+        .where(Observation.id <= upto_id)).one()
+    return int(total[0] or 0), float(total[1] or 0.0)
 
 
 def count_observations(*, session: Session, upto_id: int) -> int:

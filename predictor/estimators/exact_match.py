@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
 from typing import Self
 
 import numpy as np
@@ -94,12 +95,15 @@ class Bucket:
         return (BUCKET_OVERHEAD + self.durations.nbytes + self.events.nbytes
                 + self.bins.nbytes)
 
-    def add(self, durations: np.ndarray, events: np.ndarray) -> None:
+    def add(self, durations: np.ndarray, events: np.ndarray,
+            bins: np.ndarray | None = None) -> None:
+        """Add outcomes; ``bins``: their :func:`length_bin` if known (all of them)."""
         keep = self.window
         self.durations = np.concatenate([self.durations, durations.astype(np.int32)])[-keep:]
         self.events = np.concatenate([self.events, events.astype(bool)])[-keep:]
-        ended = length_bin(durations[events]).astype(np.int8)
-        self.bins = np.concatenate([self.bins, ended])[-min(keep, BINS_KEPT):]
+        ended = (length_bin(durations) if bins is None else bins)[events].astype(np.int8)
+        if ended.size:
+            self.bins = np.concatenate([self.bins, ended])[-min(keep, BINS_KEPT):]
 
     def steps(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The key's Kaplan-Meier curve as a step function: knots ``k_j`` (0 and every
@@ -143,18 +147,26 @@ def estimate_prior_weight(sequences: Sequence[Sequence[int]]) -> float | None:
         return None
     pooled = np.bincount(np.concatenate([np.asarray(seq) for seq in sequences]))
     f0 = pooled / pooled.sum()
-    share, same, before = [], [], []
-    for seq in repeated:
-        seen: dict[int, int] = {}
-        for i, b in enumerate(seq):
-            if i:
-                share.append(f0[b])
-                same.append(seen.get(b, 0))
-                before.append(i)
-            seen[b] = seen.get(b, 0) + 1
-    f, m, n = (np.asarray(v, dtype=np.float64)[:, None] for v in (share, same, before))
+    lengths = np.fromiter((len(seq) for seq in repeated), np.int64, len(repeated))
+    bins = np.concatenate([np.asarray(seq, dtype=np.int64) for seq in repeated])
+    owner = np.repeat(np.arange(lengths.size), lengths)
+    position = np.arange(bins.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    # m: earlier observations of the same key in the same bin (rank within (key, bin))
+    order = np.lexsort((position, bins, owner))
+    group = owner[order] * (int(bins.max()) + 1) + bins[order]
+    starts = np.flatnonzero(np.concatenate([[True], group[1:] != group[:-1]]))
+    rank = np.arange(order.size) - np.repeat(starts, np.diff(np.append(starts, order.size)))
+    same = np.empty_like(rank)
+    same[order] = rank
+    later = position > 0  # the first observation of each key does not depend on k
+    span = int(position.max()) + 1  # same < position < span: one code per distinct triple
+    codes, count = np.unique((bins[later] * span + same[later]) * span + position[later],
+                             return_counts=True)
+    f = f0[codes // (span * span)][:, None]
+    m = ((codes // span) % span).astype(np.float64)[:, None]
+    n = (codes % span).astype(np.float64)[:, None]
     grid = np.geomspace(K_MIN, K_MAX, 81)[None, :]
-    loglik = (np.log(grid * f + m) - np.log(grid + n)).sum(axis=0)
+    loglik = (count[:, None] * (np.log(grid * f + m) - np.log(grid + n))).sum(axis=0)
     return float(grid[0, int(np.argmax(loglik))])
 
 
@@ -210,6 +222,7 @@ class ExactMatchEstimator(BaseEstimator):
         self.steps_bytes_ = 0
         self.prior_weight_ = float(self.prior_weight)
         self._since_refresh = 0
+        self._deferred: list[np.ndarray] | None = None
         return self
 
     @property
@@ -234,6 +247,7 @@ class ExactMatchEstimator(BaseEstimator):
         """The per-key part of :meth:`partial_fit` (the global curve left alone): how a
         restart rebuilds the keys from their newest outcomes without replaying the rest."""
         events = outcomes.events
+        bins = length_bin(outcomes.output_tokens)
         for key, rows in group_rows(outcomes.prompt_key).items():
             bucket = self.buckets_.get(key)
             if bucket is None:
@@ -243,7 +257,7 @@ class ExactMatchEstimator(BaseEstimator):
                 self.buckets_.move_to_end(key)
                 self.bytes_ -= bucket.nbytes + len(key)
                 self._drop_steps(key)
-            bucket.add(outcomes.output_tokens[rows], events[rows])
+            bucket.add(outcomes.output_tokens[rows], events[rows], bins[rows])
             self.bytes_ += bucket.nbytes + len(key)
             while len(self.buckets_) > 1 and (len(self.buckets_) > self.max_buckets
                                               or self.bytes_ > self.max_bytes):
@@ -253,10 +267,29 @@ class ExactMatchEstimator(BaseEstimator):
         self._since_refresh += len(outcomes)
         if self.estimate_weight and self._since_refresh >= self.refresh_every:
             self._since_refresh = 0
-            recent = list(self.buckets_.values())[-KEYS_USED:]
-            estimate = estimate_prior_weight([b.bins.tolist() for b in recent if b.bins.size])
-            self.prior_weight_ = self.prior_weight if estimate is None else estimate
+            recent = islice(reversed(self.buckets_.values()), KEYS_USED)
+            held = [b.bins for b in recent if b.bins.size][::-1]  # never mutated: a snapshot
+            if self.defer_refresh:
+                self._deferred = held
+            else:
+                self._refresh(held)
         return self
+
+    # Replaying stored batches (a restart) sets ``defer_refresh``: a due estimate of k keeps
+    # only its input (references to the keys' bin arrays, which are replaced, not changed);
+    # :meth:`refresh_deferred` estimates from the newest once the replay is done. The same k
+    # as estimating at every due point, for the cost of one estimate.
+    defer_refresh = False
+
+    def refresh_deferred(self) -> None:
+        self.defer_refresh = False
+        if self._deferred is not None:
+            self._refresh(self._deferred)
+            self._deferred = None
+
+    def _refresh(self, bins: list[np.ndarray]) -> None:
+        estimate = estimate_prior_weight([b.tolist() for b in bins])
+        self.prior_weight_ = self.prior_weight if estimate is None else estimate
 
     def _steps_of(self, key: str, bucket: Bucket) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A key's step curve, from a cache bounded by ``cache_bytes`` (least recently used

@@ -118,3 +118,33 @@ def test_when_full_the_caller_holding_the_most_loses_its_oldest():
         tracker.record(f"c{i}", Pending(0, 20, _shadow()), caller="c")
         tracker.resolve(f"c{i}", 5, False)
     assert len(tracker.callers.get("c", ())) == 0 and tracker.pending_count == 5
+
+
+def test_junk_queries_from_one_address_keep_another_addresss_pending_predictions(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from predictor.app import create_app
+    from predictor.settings import Settings
+
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'fair.db'}",
+                        calibration_sample_rate=1.0, calibration_max_pending=2000,
+                        estimators="survival,exact_match")
+    app = create_app(settings)
+    with TestClient(app, client=("10.0.0.1", 5000)) as router, \
+            TestClient(app, client=("10.6.6.6", 5000)) as junk:
+        router.post("/v1/observations", json={"observations": [
+            {"request_id": f"old{i}", "output_tokens": 10 + i} for i in range(50)]})
+        real = [f"real{i}" for i in range(300)]
+        assert router.post("/v1/contributions", json={"items": [
+            {"request_id": r, "generated_tokens": 3} for r in real]}).status_code == 200
+        for q in range(40):  # 40 queries of junk ids from another address
+            assert junk.post("/v1/contributions", json={"items": [
+                {"request_id": f"junk{q}-{i}", "generated_tokens": 1}
+                for i in range(1000)]}).status_code == 200
+        tracker = app.state.service.tracker
+        assert all(r in tracker.pending for r in real)
+        report = router.get("/v1/calibration").json()
+        assert report["pending"] == 300 + 500 and report["pending_dropped"] == 40_000 - 500
+        router.post("/v1/observations", json={"observations": [
+            {"request_id": r, "output_tokens": 5} for r in real]})
+        assert tracker.caller_count.get("10.0.0.1", 0) == 0  # every real one was scored

@@ -65,7 +65,8 @@ class AbJob(Base):
     ``POST /v1/ab-comparisons``) or a tuning (``kind = "tuning"``, ``POST /v1/tunings``).
 
     ``request`` holds the validated request (JSON) without a trace's content; ``results`` the
-    CLI-shaped rows (JSON; for a tuning, the ranked rows and the recommendation).
+    CLI-shaped rows (JSON; for a tuning, the ranked rows and the recommendation). ``owner``
+    and ``lease_until``: the replica that claimed an active job, renewed while it lives.
     """
 
     __tablename__ = "ab_jobs"
@@ -80,5 +81,9 @@ class AbJob(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    # The replica running (or holding in its queue) an active job, and until when its claim
+    # holds without renewal; an active job whose lease ran out lost its replica.
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
     __table_args__ = (Index("ix_ab_jobs_kind_status", "kind", "status"),)

@@ -5,9 +5,12 @@ Jobs run one at a time on a worker thread (a replay is CPU-bound; two at once wo
 the cores) with the same composition as ``balanceroute ab`` and ``balanceroute tune``: the same
 data, parameters and seed give the same rows. Jobs and their results are rows of ``ab_jobs``
 (``kind`` tells them apart); a trace given in the request is kept in memory for the job only
-and never stored or returned. A job that was queued or running when the process stopped is
-marked failed ("interrupted") at the next start. ``cancel`` stops a queued job before it
-starts and a running one at its next progress report (status ``cancelled``).
+and never stored or returned. Each job is claimed by the replica that accepted it
+(``owner``) with a lease (``lease_until``, ``LEASE_S`` seconds) that replica renews while it
+lives; a job that was queued or running when its replica stopped is marked failed
+("interrupted") once its lease runs out, by any replica (at start and every ``LEASE_S / 3``
+seconds). Another replica's start leaves jobs with a live lease alone. ``cancel`` stops a
+queued job before it starts and a running one at its next progress report (status ``cancelled``).
 
 A done tuning's recommendation becomes the service's (``on_tuned``), and the newest one is
 read back at start (:meth:`latest_recommendation`).
@@ -22,10 +25,10 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import numpy as np
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import AbJob, Observation
@@ -39,6 +42,7 @@ from . import abtest
 log = logging.getLogger("balanceroute.ab")
 
 ACTIVE = ("queued", "running")
+LEASE_S = 30.0  # seconds a replica's claim on a job holds without renewal
 
 
 class JobCancelled(BalanceRouteError):
@@ -104,20 +108,57 @@ def run_tuning(request: dict, trace: Trace, progress) -> dict:
 
 class AbJobRunner:
     def __init__(self, sessions: sessionmaker, max_queued: int = 8,
-                 on_tuned: Callable[[dict], None] | None = None) -> None:
+                 on_tuned: Callable[[dict], None] | None = None,
+                 lease_s: float = LEASE_S) -> None:
         self.sessions = sessions
         self.max_queued = max_queued
         self.on_tuned = on_tuned
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ab-job")
         self.cancelled: set[str] = set()
         self.lock = threading.Lock()
+        self.owner = uuid.uuid4().hex  # this replica (this process), the jobs' claimant
+        self.lease_s = lease_s
+        self._stop = threading.Event()
+        self._heart: threading.Thread | None = None
+
+    def _lease(self) -> datetime:
+        return datetime.now(UTC) + timedelta(seconds=self.lease_s)
 
     def recover(self) -> None:
+        """Fail the active jobs whose replica is gone (their lease ran out, or they predate
+        leases); jobs another live replica holds are left alone. Then keep this replica's
+        leases renewed (every third of ``lease_s``) and sweep for lost jobs as often."""
+        self.sweep()
+        if self._heart is None:
+            self._heart = threading.Thread(target=self._beat, name="ab-job-lease",
+                                           daemon=True)
+            self._heart.start()
+
+    def sweep(self) -> int:
+        now = datetime.now(UTC)
         with self.sessions() as session:
-            session.execute(update(AbJob).where(AbJob.status.in_(ACTIVE))
-                            .values(status="failed", error="interrupted by a service restart",
-                                    updated_at=datetime.now(UTC)))
+            lost = session.execute(
+                update(AbJob).where(AbJob.status.in_(ACTIVE),
+                                    or_(AbJob.lease_until.is_(None), AbJob.lease_until < now))
+                .values(status="failed", updated_at=now,
+                        error="interrupted: the replica running it stopped (service restart)"))
             session.commit()
+        return int(getattr(lost, "rowcount", 0) or 0)
+
+    def renew(self) -> None:
+        with self.sessions() as session:
+            session.execute(update(AbJob).where(AbJob.owner == self.owner,
+                                                AbJob.status.in_(ACTIVE))
+                            .values(lease_until=self._lease()))
+            session.commit()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                self.renew()
+                self.sweep()
+            except Exception:  # the database is away: try again at the next beat
+                log.warning("renewing the A/B job leases failed", exc_info=True)
 
     def latest_recommendation(self) -> dict | None:
         with self.sessions() as session:
@@ -141,7 +182,8 @@ class AbJobRunner:
             if queued >= self.max_queued:
                 raise TooManyJobs(f"{queued} jobs queued or running; at most {self.max_queued}")
             session.add(AbJob(id=job_id, kind=kind, status="queued", progress=0.0,
-                              request=json.dumps(stored), created_at=now, updated_at=now))
+                              request=json.dumps(stored), created_at=now, updated_at=now,
+                              owner=self.owner, lease_until=self._lease()))
             session.commit()
         self.executor.submit(self._run, job_id, kind, request, trace)
         return job_id
@@ -218,4 +260,5 @@ class AbJobRunner:
             self.cancelled.discard(job_id)
 
     def shutdown(self) -> None:
+        self._stop.set()
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -16,11 +16,15 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from swagger_ui_bundle import swagger_ui_path
 
 from .abjobs import AbJobRunner
 from .api import ROUTERS
+from .api.deps import token_ok
 from .metrics import Metrics, refresh_gauges
 from .schemas import CONTRIBUTIONS_IN
 from .service import PredictorService
@@ -67,6 +71,32 @@ class BodyLimit:
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body.encode()})
+
+
+WRITE_PATHS = ("/v1/observations", "/v1/ab-comparisons", "/v1/tunings")
+WRITE_METHODS = ("POST", "PUT", "PATCH", "DELETE")
+
+
+class TokenGate:
+    """ASGI middleware: a write (``WRITE_METHODS`` on ``WRITE_PATHS``) without the bearer
+    token gets its 401 before a byte of its body is read or parsed."""
+
+    def __init__(self, app, token: str | None) -> None:
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] != "http" or not self.token or scope["method"] not in WRITE_METHODS
+                or not scope["path"].startswith(WRITE_PATHS)):
+            return await self.app(scope, receive, send)
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if token_ok(header.decode("latin-1"), self.token):
+            return await self.app(scope, receive, send)
+        body = json.dumps({"detail": "missing or wrong bearer token"}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
 
 
 class RequestMetrics:
@@ -117,6 +147,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service.load()
+        service.start_tailing()
         app.state.ab_jobs.recover()
         service.recommendation = app.state.ab_jobs.latest_recommendation()
         refresh_gauges(service, metrics)
@@ -129,6 +160,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                  service.model_version)
         yield
         app.state.ab_jobs.shutdown()
+        service.stop_tailing()
         service.fitter.shutdown(wait=False, cancel_futures=True)
         engine.dispose()
 
@@ -138,6 +170,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Expected capped remaining life of active LLM requests, learned online "
         "from finished requests (Kaplan-Meier with censoring; ExactMatch per prompt key).",
         lifespan=lifespan,
+        docs_url=None,  # served below from bundled assets: no CDN
+        redoc_url=None,
     )
     app.state.service = service
     app.state.metrics = metrics
@@ -146,6 +180,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                     on_tuned=lambda advice: setattr(service, "recommendation",
                                                                     advice))
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(TokenGate, token=settings.api_token)  # outside BodyLimit: checked first
 
     app.add_middleware(RequestMetrics, metrics=metrics)
 
@@ -176,4 +211,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    _self_hosted_docs(app)
     return app
+
+
+DOCS_ASSETS = "/docs-assets"
+
+
+def _self_hosted_docs(app: FastAPI) -> None:
+    """``/docs``: Swagger UI from the ``swagger-ui-bundle`` package's files, served by the
+    service itself, so the page works on a host without internet access."""
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_path), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json", title=app.title + " - docs",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")

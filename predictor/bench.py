@@ -125,3 +125,49 @@ def bench_calibration(scored: int = 100_000, rounds: int = 30) -> dict:
         times.append(time.perf_counter() - t0)
     result["png"] = _percentiles(times)
     return result
+
+
+def bench_restart(observations: int = 1_000_000, batch: int = 1000, keys: int = 20_000,
+                  replay: int | None = None) -> dict:
+    """Time a restart (``PredictorService.load``: migrations, replay, scored predictions) over
+    a SQLite database holding ``observations`` stored observations in batches of ``batch``,
+    with ``keys`` prompt keys. ``replay``: ``replay_observations`` (default: the setting's)."""
+    from datetime import UTC, datetime
+
+    from sqlalchemy import insert
+
+    from models import Observation
+
+    from .store import migrate
+
+    rng = np.random.default_rng(0)
+    now = datetime.now(UTC)
+    result: dict[str, Any] = {"observations": observations, "keys": keys}
+    with tempfile.TemporaryDirectory() as tmp:
+        url = f"sqlite:///{Path(tmp) / 'restart.db'}"
+        engine = make_engine(url)
+        migrate(engine)
+        started = time.perf_counter()
+        with engine.begin() as connection:
+            for start in range(0, observations, batch):
+                n = min(batch, observations - start)
+                lengths = np.ceil(rng.lognormal(5.0, 1.0, n)).astype(int)
+                key_ids = rng.integers(0, keys, n)
+                connection.execute(insert(Observation), [
+                    {"request_id": f"r{start + i}", "prompt_key": f"key-{key_ids[i]}",
+                     "prompt_tokens": 500, "output_tokens": int(lengths[i]),
+                     "finish_reason": "stop", "censored": False, "completed_at": now,
+                     "batch": start // batch + 1} for i in range(n)])
+        result["fill_s"] = round(time.perf_counter() - started, 1)
+        engine.dispose()
+        settings = Settings(database_url=url) if replay is None else Settings(
+            database_url=url, replay_observations=replay)
+        result["replay_observations"] = settings.replay_observations
+        service = PredictorService(settings, make_engine(url))
+        started = time.perf_counter()
+        service.load()
+        result["restart_s"] = round(time.perf_counter() - started, 2)
+        result["learned_observations"] = service.observations
+        result["buckets"] = service.buckets
+        service.engine.dispose()
+    return result

@@ -3,8 +3,9 @@
 Recording: each contributions answer is *sampled* per item, deterministically by
 xxh3(request_id, generated_tokens) against ``sample_rate`` (so replicas and restarts agree),
 and for each sampled item every estimator's prediction is kept (shadow scoring: Survival and
-ExactMatch are compared on identical traffic). Pending records are bounded (``max_pending``;
-the oldest request is dropped first, and the drops are counted).
+ExactMatch are compared on identical traffic). Pending records are bounded (``max_pending``),
+admitted per caller (a caller past its fair share drops its own oldest first, see
+:class:`CalibrationTracker`), and the drops are counted.
 
 Scoring: when a request's outcome arrives, each pending prediction made at ``a`` generated
 tokens with horizon H is scored against the remaining length ``r = output - a``: it ended
@@ -373,18 +374,26 @@ class CalibrationTracker:
 
     Pending predictions live in columnar numpy arrays used as a ring of ``max_pending`` slots
     (a request maps to a tuple of slot numbers): no per-prediction Python objects, so a full
-    buffer costs the garbage collector nothing and recording stays off the latency tail. When
-    the ring wraps, the oldest pending prediction is dropped and counted.
+    buffer costs the garbage collector nothing and recording stays off the latency tail.
+    Slots are admitted per caller (the client's address): a caller holds at most
+    ``per_caller`` of them (the service's default: a quarter of ``max_pending``) and drops
+    its own oldest past that; when all are taken, the caller holding the most drops its
+    oldest. Drops are counted. So queries full of junk ids from one caller cannot evict
+    another caller's pending predictions.
     """
 
     def __init__(self, names: list[str], sample_rate: float = 0.1, max_pending: int = 200_000,
-                 capacity: int = 200_000) -> None:
+                 capacity: int = 200_000, per_caller: int | None = None) -> None:
         self.names = list(names)
         self.codes = {name: code for code, name in enumerate(self.names)}
         self.sample_rate = sample_rate
         self.max_pending = max_pending
+        self.per_caller = (max_pending if per_caller is None
+                           else max(1, min(per_caller, max_pending)))
         width = len(self.names)
         self.slot_owner = np.full(max_pending, None, dtype=object)
+        self.slot_caller = np.full(max_pending, None, dtype=object)
+        self.slot_seq = np.zeros(max_pending, dtype=np.int64)
         self.slot_generated = np.zeros(max_pending, dtype=np.int64)
         self.slot_horizon = np.zeros(max_pending, dtype=np.int32)
         self.slot_p = np.zeros((max_pending, width))
@@ -394,22 +403,71 @@ class CalibrationTracker:
         self.pending: dict[str, tuple[int, ...]] = {}
         self.pending_count = 0
         self.dropped = 0
-        self.next_slot = 0
+        self.next_slot = 0  # sequence number of the next recorded prediction
+        self.free = list(range(max_pending - 1, -1, -1))
+        self.callers: dict[str, deque[tuple[int, int]]] = {}  # caller -> (slot, seq), oldest first
+        self.caller_count: dict[str, int] = {}
         self.scored = ScoredBuffer(capacity, self.names)
 
-    def _take_slot(self, request_id: str) -> int:
-        slot = self.next_slot % self.max_pending
+    def _take_slot(self, request_id: str, caller: str = "") -> int:
+        """A free slot for a caller's new prediction. A caller holding its share
+        (``per_caller``) loses its own oldest pending prediction; when every slot is taken,
+        the caller holding the most loses its oldest. So one caller's junk never evicts
+        another's predictions while that one stays within its share."""
+        if self.caller_count.get(caller, 0) >= self.per_caller:
+            self._evict(caller)
+        elif not self.free:
+            self._evict(max(self.caller_count, key=self.caller_count.__getitem__))
+        slot = self.free.pop()
+        seq = self.next_slot
         self.next_slot += 1
-        if self.slot_owner[slot] is not None:
-            self.pending_count -= 1
-            self.dropped += 1
         self.slot_owner[slot] = request_id
+        self.slot_caller[slot] = caller
+        self.slot_seq[slot] = seq
         self.pending[request_id] = (*self.pending.get(request_id, ()), slot)
         self.pending_count += 1
+        self.caller_count[caller] = self.caller_count.get(caller, 0) + 1
+        queue = self.callers.setdefault(caller, deque())
+        queue.append((slot, seq))
+        if len(queue) > 2 * self.caller_count[caller] + 64:  # resolved entries pile up
+            self.callers[caller] = deque(
+                (sl, sq) for sl, sq in queue
+                if self.slot_seq[sl] == sq and self.slot_owner[sl] is not None)
         return slot
 
-    def record(self, request_id: str, pending: Pending) -> None:
-        slot = self._take_slot(request_id)
+    def _evict(self, caller: str) -> None:
+        """Drop the caller's oldest pending prediction (counted in ``dropped``)."""
+        queue = self.callers[caller]
+        while queue:
+            slot, seq = queue.popleft()
+            owner = self.slot_owner[slot]
+            if self.slot_seq[slot] != seq or owner is None:
+                continue  # resolved (or reused) since
+            left = tuple(x for x in self.pending.get(owner, ()) if x != slot)
+            if left:
+                self.pending[owner] = left
+            else:
+                self.pending.pop(owner, None)
+            self._release(slot)
+            self.dropped += 1
+            return
+        raise RuntimeError(f"caller {caller!r} counted pending predictions it does not hold")
+
+    def _release(self, slot: int) -> None:
+        caller = self.slot_caller[slot]
+        self.slot_owner[slot] = None
+        self.slot_caller[slot] = None
+        self.free.append(slot)
+        self.pending_count -= 1
+        left = self.caller_count[caller] - 1
+        if left:
+            self.caller_count[caller] = left
+        else:
+            del self.caller_count[caller]
+            self.callers.pop(caller, None)
+
+    def record(self, request_id: str, pending: Pending, caller: str = "") -> None:
+        slot = self._take_slot(request_id, caller)
         self.slot_generated[slot] = pending.generated
         self.slot_horizon[slot] = pending.horizon
         self.slot_has[slot] = False
@@ -423,10 +481,11 @@ class CalibrationTracker:
 
     def record_batch(self, request_ids: list[str], generated: np.ndarray, horizon: int,
                      p_fin: dict[str, np.ndarray], c_hat: dict[str, np.ndarray],
-                     hit: dict[str, np.ndarray]) -> None:
+                     hit: dict[str, np.ndarray], caller: str = "") -> None:
         """Record sampled items at once: one column per estimator; ``hit`` marks items the
-        estimator answered itself (not from a fallback)."""
-        slots = np.fromiter((self._take_slot(r) for r in request_ids), dtype=np.int64,
+        estimator answered itself (not from a fallback); ``caller`` who asked (see
+        :meth:`_take_slot`)."""
+        slots = np.fromiter((self._take_slot(r, caller) for r in request_ids), dtype=np.int64,
                             count=len(request_ids))
         self.slot_generated[slots] = generated
         self.slot_horizon[slots] = horizon
@@ -446,9 +505,8 @@ class CalibrationTracker:
         out: list[Scored] = []
         for slot in slots:
             if self.slot_owner[slot] != request_id:
-                continue  # overwritten by a newer prediction: already counted as dropped
-            self.slot_owner[slot] = None
-            self.pending_count -= 1
+                continue  # dropped (and counted) since
+            self._release(slot)
             shadows = tuple(
                 Shadow(name, float(self.slot_p[slot, code]), float(self.slot_c[slot, code]),
                        bool(self.slot_hit[slot, code]))

@@ -185,6 +185,12 @@ def _add_bench(sub) -> argparse._SubParsersAction:
                                        help="time the calibration report over stored scores")
     calibration.add_argument("--scored", type=int, default=100_000)
     calibration.add_argument("--json", type=Path, default=None)
+    restart = bench_sub.add_parser(
+        "restart", help="time a restart over a SQLite database of stored observations")
+    restart.add_argument("--observations", type=int, default=1_000_000)
+    restart.add_argument("--replay", type=int, default=None,
+                         help="replay_observations (default: the setting's; 0: all)")
+    restart.add_argument("--json", type=Path, default=None)
     return bench_sub
 
 
@@ -367,10 +373,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
         return 0
-    from .bench import bench_calibration, bench_predictor
+    from .bench import bench_calibration, bench_predictor, bench_restart
 
     if args.bench == "calibration":
         result = bench_calibration(scored=args.scored)
+    elif args.bench == "restart":
+        result = bench_restart(observations=args.observations, replay=args.replay)
     else:
         result = bench_predictor(items=args.items, rounds=args.rounds)
     print(json.dumps(result, indent=1))

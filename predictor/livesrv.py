@@ -23,6 +23,14 @@ def free_port() -> int:
 def live_server(database_url: str, port: int | None = None, env: dict[str, str] | None = None,
                 timeout_s: float = 30.0) -> Iterator[str]:
     """Run the service in a subprocess; yields its base URL; stops it on exit."""
+    with live_process(database_url, port, env, timeout_s) as (url, _process):
+        yield url
+
+
+@contextmanager
+def live_process(database_url: str, port: int | None = None, env: dict[str, str] | None = None,
+                 timeout_s: float = 30.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """:func:`live_server` that also yields the process (its pid, to measure its memory)."""
     port = port or free_port()
     environment = {**os.environ, **(env or {})}
     process = subprocess.Popen(
@@ -45,7 +53,7 @@ def live_server(database_url: str, port: int | None = None, env: dict[str, str] 
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the service did not become ready within {timeout_s}s")
             time.sleep(0.1)
-        yield url
+        yield url, process
     finally:
         process.terminate()
         try:

@@ -27,6 +27,9 @@ from .estimators.base import observe_running
 from .settings import Settings
 
 CENSORING_REASONS = ("length", "cancelled", "error")
+TAIL_CHUNK = 20_000  # observations read per query while tailing
+GAP_WAIT = 30.0  # seconds a skipped observation id is looked for again
+MAX_GAPS = 100_000
 
 log = logging.getLogger("balanceroute.service")
 
@@ -58,6 +61,9 @@ class PredictorService:
         self.started = time.monotonic()
         self.loaded = False
         self.recommendation: dict | None = None  # from the newest done tuning
+        self._gaps: dict[int, float] = {}  # observation ids skipped while tailing -> when
+        self._stop = threading.Event()
+        self._tailer: threading.Thread | None = None
         self._reset_learners()
 
     def _reset_learners(self) -> None:
@@ -80,8 +86,11 @@ class PredictorService:
         self.auto_hits = 0
         self.model_version = 0
         self.observations = 0
-        self.tracker = CalibrationTracker(list(self.estimators), s.calibration_sample_rate,
-                                          s.calibration_max_pending, s.calibration_capacity)
+        self.last_id = 0  # the newest observation id learned
+        self.tracker = CalibrationTracker(
+            list(self.estimators), s.calibration_sample_rate, s.calibration_max_pending,
+            s.calibration_capacity,
+            s.calibration_max_pending_per_caller or max(1, s.calibration_max_pending // 4))
         self.drift = DriftMonitor(s.drift_length_effect, s.drift_loss_effect,
                                   s.drift_clear_after)
 
@@ -90,23 +99,16 @@ class PredictorService:
 
     # -- start-up -------------------------------------------------------------------------
     def load(self) -> None:
-        """Migrate the schema, rebuild the learners by replaying every stored batch, and the
+        """Migrate the schema, rebuild the learners from the stored observations, and the
         calibration buffer and drift streams from the stored scored predictions. Pending
-        (not yet scored) predictions live in memory only and do not survive a restart."""
+        (not yet scored) predictions live in memory only and do not survive a restart.
+
+        Only what the learners keep is replayed (:meth:`_replay`), so a restart takes seconds
+        at a million stored observations."""
         store.migrate(self.engine)
-        with self.lock, self.session() as session:
+        with self.ingest_lock, self.lock, self.session() as session:
             self._reset_learners()
-            pending: list = []
-            for rows in store.observations_in_order(session=session):
-                for row in rows:
-                    if pending and row[1] != pending[0][1]:
-                        self._apply(pending)
-                        self._fit_deferred()  # the same schedule as when they were ingested
-                        pending = []
-                    pending.append(row)
-            if pending:
-                self._apply(pending)
-                self._fit_deferred()
+            self._replay(session)
             group: list[Scored] = []
             group_request: str | None = None
             when: str | None = None
@@ -123,12 +125,72 @@ class PredictorService:
             self.model_version = store.latest_batch(session=session)
             self.loaded = True
 
+    def _replay(self, session: Session) -> None:
+        """The newest ``replay_observations`` observations are replayed in full, batch by
+        batch with the fits on the same schedule as when they were ingested (with fewer
+        stored, a restart answers exactly as before). Older ones only matter to the per-key
+        state: each key's newest ``exact_match_bucket_window`` outcomes are replayed into
+        ExactMatch's buckets, and the hazard model's per-key sums are read as aggregates
+        (:meth:`_replay_keys`)."""
+        newest = store.latest_observation_id(session=session)
+        for estimator in self.estimators.values():
+            if hasattr(estimator, "refresh_deferred"):
+                estimator.defer_refresh = True  # type: ignore[attr-defined]
+        keep = self.settings.replay_observations
+        start = max(0, newest - keep) if keep else 0
+        if start:
+            self._replay_keys(session, start)
+            self.observations = store.count_observations(session=session, upto_id=start)
+        self.last_id = start
+        pending: list = []
+        for rows in store.observations_in_order(session=session, after_id=start):
+            for row in rows:
+                if pending and row[1] != pending[0][1]:
+                    self._learn(pending, replay=True)
+                    pending = []
+                pending.append(row)
+        if pending:
+            self._learn(pending, replay=True)
+        for estimator in self.estimators.values():
+            for finish in ("fit_skipped", "refresh_deferred"):
+                if hasattr(estimator, finish):
+                    getattr(estimator, finish)()
+
+    def _replay_keys(self, session: Session, upto_id: int) -> None:
+        """The per-key state of the observations up to ``upto_id``, from one scan of their
+        keys and lengths: each key's newest ``exact_match_bucket_window`` outcomes
+        (``learn_keys``), and all-time per-key sums (``load_key_statistics``)."""
+        keys: list[str] = []
+        lengths, censored = [], []
+        for rows in store.keyed_outcomes(session=session, upto_id=upto_id):
+            keys.extend(r[1] for r in rows)
+            lengths.append(np.fromiter((r[2] for r in rows), np.int64, len(rows)))
+            censored.append(np.fromiter((r[3] for r in rows), bool, len(rows)))
+        if not keys:
+            return
+        output, cut = np.concatenate(lengths), np.concatenate(censored)
+        index: dict[str, int] = {}
+        code = np.fromiter((index.setdefault(k, len(index)) for k in keys), np.int64, len(keys))
+        names = list(index)
+        order = np.argsort(code, kind="stable")  # by key, then in id order
+        starts = np.searchsorted(code[order], np.arange(len(names)))
+        ends = np.append(starts[1:], order.size)
+        from_end = np.repeat(ends, ends - starts) - np.arange(order.size) - 1
+        newest = np.sort(order[from_end < self.settings.exact_match_bucket_window])
+        outcomes = Outcomes.of(output[newest], cut[newest], [keys[i] for i in newest])
+        sums = None
+        for estimator in self.estimators.values():
+            if hasattr(estimator, "learn_keys"):
+                estimator.learn_keys(outcomes)
+            if hasattr(estimator, "load_key_statistics"):
+                if sums is None:
+                    sums = _key_sums(code, output, cut, names)
+                estimator.load_key_statistics(
+                    sums, store.ended_log_total(session=session, upto_id=upto_id))
+
     def _apply(self, rows: list) -> None:
         """Learn from rows shaped like :func:`store.observations_in_order`'s."""
-        outcomes = Outcomes.of(
-            np.fromiter((r[2] for r in rows), dtype=np.int64, count=len(rows)),
-            np.fromiter((r[3] for r in rows), dtype=bool, count=len(rows)),
-            [r[4] for r in rows], [r[6] for r in rows])
+        outcomes = _outcomes(rows)
         for estimator in self.estimators.values():
             estimator.partial_fit(outcomes)
         self.observations += len(rows)
@@ -162,18 +224,107 @@ class PredictorService:
             rows, batch = self._store(observations)
             if not rows:
                 return IngestResult(0, len(observations), self.model_version)
+            self._catch_up()  # ours and whatever other replicas committed before, in id order
             with self.lock:
-                self._apply([(None, batch, r["output_tokens"], r["censored"], r["prompt_key"],
-                              r["completed_at"], r["prompt_tokens"]) for r in rows])
-                self.model_version = max(self.model_version, batch)
                 scored = self._score(rows)
-            self._schedule_fits()
             if scored:
                 with self.session() as session:
                     store.insert_scored(session=session, rows=scored,
                                         keep=self.settings.calibration_capacity)
                     session.commit()
             return IngestResult(len(rows), len(observations) - len(rows), batch)
+
+    # -- replicas -------------------------------------------------------------------------
+    def catch_up(self) -> int:
+        """Learn what was committed since we last looked (by any replica on the database),
+        in id order; returns how many observations were learned. Run every
+        ``replica_poll_interval`` seconds by :meth:`start_tailing`, and after each ingest."""
+        with self.ingest_lock:
+            return self._catch_up()
+
+    def _catch_up(self) -> int:
+        learned = 0
+        with self.session() as session:
+            if self._gaps:
+                learned += self._fill_gaps(session)
+            while True:
+                rows = store.observations_after(session=session, after_id=self.last_id,
+                                                limit=TAIL_CHUNK)
+                if not rows:
+                    break
+                self._note_gaps(rows)
+                self._learn(rows)
+                learned += len(rows)
+                if len(rows) < TAIL_CHUNK:
+                    break
+        if learned:
+            self._schedule_fits()
+        return learned
+
+    def _note_gaps(self, rows) -> None:
+        """Ids skipped below the newest one seen: on PostgreSQL a transaction that took a
+        smaller id may commit after a larger one; such ids are looked up again for
+        ``GAP_WAIT`` seconds (an id whose insert was rolled back never appears)."""
+        expected, now = self.last_id + 1, time.monotonic()
+        for row in rows:
+            if row[0] > expected and self.loaded:
+                for missing in range(expected, min(row[0], expected + MAX_GAPS)):
+                    if len(self._gaps) < MAX_GAPS:
+                        self._gaps[missing] = now
+            expected = row[0] + 1
+
+    def _fill_gaps(self, session: Session) -> int:
+        now = time.monotonic()
+        for missing in [i for i, seen in self._gaps.items() if now - seen > GAP_WAIT]:
+            del self._gaps[missing]
+        late = store.observations_with_ids(session=session, ids=list(self._gaps))
+        for row in late:
+            del self._gaps[row[0]]
+        if late:
+            self._learn(late, advance=False)
+        return len(late)
+
+    def _learn(self, rows, advance: bool = True, replay: bool = False) -> None:
+        """Apply stored rows (``store.observations_in_order``'s shape), batch by batch; a
+        ``replay`` keeps the fit schedule but fits only the newest due fit (at the end)."""
+        with self.lock:
+            pending: list = []
+            for row in rows:
+                if pending and row[1] != pending[0][1]:
+                    self._apply(pending)
+                    if replay:
+                        self._skip_due_fits()
+                    pending = []
+                pending.append(row)
+            if pending:
+                self._apply(pending)
+                if replay:
+                    self._skip_due_fits()
+            if advance:
+                self.last_id = max(self.last_id, int(rows[-1][0]))
+            self.model_version = max(self.model_version, max(int(r[1]) for r in rows))
+
+    def start_tailing(self) -> None:
+        """Poll the observations table every ``replica_poll_interval`` seconds (0: never), on a
+        daemon thread: a replica learns what the others ingested within about that long."""
+        interval = self.settings.replica_poll_interval
+        if interval <= 0 or self._tailer is not None:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.catch_up()
+                except Exception:  # the database is away: try again at the next tick
+                    log.warning("tailing the observations table failed", exc_info=True)
+
+        self._tailer = threading.Thread(target=loop, name="replica-tail", daemon=True)
+        self._tailer.start()
+
+    def stop_tailing(self) -> None:
+        self._stop.set()
+        if self._tailer is not None:
+            self._tailer.join(timeout=5)
 
     def _schedule_fits(self) -> None:
         """Run due model fits on the fitter thread: neither ingestion nor queries wait for
@@ -203,6 +354,12 @@ class PredictorService:
             fit = getattr(estimator, "fit_deferred", None)
             if fit is not None:
                 fit(self.lock)
+
+    def _skip_due_fits(self) -> None:
+        for estimator in self.estimators.values():
+            skip = getattr(estimator, "skip_due_fit", None)
+            if skip is not None:
+                skip()
 
     def _store(self, observations: list[dict], attempts: int = 3) -> tuple[list[dict], int]:
         """Insert and commit the observations not stored yet; returns them and their batch.
@@ -272,10 +429,12 @@ class PredictorService:
                 self.auto_hits += sum(1 for source in estimate.source if source == name)
             return ContributionAnswer(estimate, self.model_version, self.drift.drifted)
 
-    def record(self, request_ids: list[str], features: Features, horizon: int) -> None:
+    def record(self, request_ids: list[str], features: Features, horizon: int,
+               caller: str = "") -> None:
         """Keep a deterministic sample of a query's items, with every estimator's prediction
-        (shadow scoring), for scoring when their outcomes arrive. Runs after the answer has
-        been sent."""
+        (shadow scoring), for scoring when their outcomes arrive; ``caller`` (the client's
+        address) gets a fair share of the pending slots. Runs after the answer has been
+        sent."""
         rate = self.settings.calibration_sample_rate
         picks = [i for i, rid in enumerate(request_ids)
                  if sampled(rid, int(features.generated[i]), rate)]
@@ -291,6 +450,7 @@ class PredictorService:
                 {name: a.p_fin for name, a in answers.items()},
                 {name: a.c_hat for name, a in answers.items()},
                 {name: np.asarray([s == name for s in a.source]) for name, a in answers.items()},
+                caller,
             )
 
     @property
@@ -318,6 +478,29 @@ class PredictorService:
     @property
     def uptime_s(self) -> float:
         return time.monotonic() - self.started
+
+
+def _key_sums(code: np.ndarray, output: np.ndarray, censored: np.ndarray,
+              names: list[str]) -> list[tuple[str, int, int, float]]:
+    """Per key: (key, count, ended, sum of ln(1 + output) over the ended), the most
+    recently seen key last."""
+    n = len(names)
+    ended = ~censored
+    count = np.bincount(code, minlength=n)
+    ends = np.bincount(code, weights=ended, minlength=n)
+    logs = np.bincount(code, weights=np.where(ended, np.log1p(output), 0.0), minlength=n)
+    last = np.zeros(n, dtype=np.int64)
+    np.maximum.at(last, code, np.arange(code.size))
+    return [(names[k], int(count[k]), int(ends[k]), float(logs[k]))
+            for k in np.argsort(last).tolist()]
+
+
+def _outcomes(rows) -> Outcomes:
+    """Rows shaped like :func:`store.observations_in_order`'s as :class:`Outcomes`."""
+    return Outcomes.of(
+        np.fromiter((r[2] for r in rows), dtype=np.int64, count=len(rows)),
+        np.fromiter((r[3] for r in rows), dtype=bool, count=len(rows)),
+        [r[4] for r in rows], [r[6] for r in rows])
 
 
 def _iso(value: datetime | None) -> str | None:

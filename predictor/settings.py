@@ -45,13 +45,27 @@ class Settings(BaseSettings):
     history: int = Field(5000, ge=0)
     exact_match_max_buckets: int = Field(100_000, ge=1)
     exact_match_bucket_window: int = Field(256, ge=1)
+    exact_match_max_bytes: int = Field(
+        64 << 20, ge=1 << 16, description="bytes the prompt keys' outcomes may take (least "
+        "recently updated keys evicted first)")
+    exact_match_cache_bytes: int = Field(
+        16 << 20, ge=1 << 16, description="bytes of per-key curves cached for queries")
     max_observations_per_batch: int = Field(10_000, ge=1)
     max_items_per_query: int = Field(65_536, ge=1)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     calibration_sample_rate: float = Field(0.1, ge=0.0, le=1.0)
     calibration_max_pending: int = Field(200_000, ge=1)
+    calibration_max_pending_per_caller: int | None = Field(
+        None, ge=1, description="pending predictions one caller (client address) may hold; "
+        "default a quarter of calibration_max_pending")
     calibration_capacity: int = Field(200_000, ge=1)
     drift_length_effect: float = Field(0.3, gt=0.0, le=1.0)
     drift_loss_effect: float = Field(0.05, gt=0.0, le=1.0)
+    replay_observations: int = Field(
+        20_000, ge=0, description="newest observations a restart replays in full (older ones "
+        "only for the prompt keys' newest outcomes); 0: every stored observation")
+    replica_poll_interval: float = Field(
+        1.0, ge=0.0, le=3600.0, description="seconds between two reads of the observations "
+        "table for what other replicas ingested (0: never)")
     max_queued_jobs: int = Field(8, ge=1, le=1000)
     drift_clear_after: int = Field(5000, ge=1)

@@ -37,10 +37,12 @@ async def post_contributions(request: Request, service: ServiceDep,
         raise RequestValidationError(
             [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
         ) from None
-    return await run_in_threadpool(answer, body, service, metrics)
+    caller = request.client.host if request.client else ""
+    return await run_in_threadpool(answer, body, service, metrics, caller)
 
 
-def answer(body: ContributionsIn, service: PredictorService, metrics: Metrics) -> Response:
+def answer(body: ContributionsIn, service: PredictorService, metrics: Metrics,
+           caller: str = "") -> Response:
     items = body["items"]
     limit = service.settings.max_items_per_query
     if len(items) > limit:
@@ -77,5 +79,5 @@ def answer(body: ContributionsIn, service: PredictorService, metrics: Metrics) -
     }
     # Calibration sampling runs after the answer is sent: off the router's latency path.
     record = BackgroundTask(service.record, [i["request_id"] for i in items], features,
-                            horizon)
+                            horizon, caller)
     return Response(orjson.dumps(payload), media_type="application/json", background=record)

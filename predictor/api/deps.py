@@ -24,15 +24,21 @@ def get_ab_jobs(request: Request) -> AbJobRunner:
     return request.app.state.ab_jobs
 
 
+def token_ok(header: str, token: str | None) -> bool:
+    """``header`` (the Authorization header) is ``Bearer <token>``, compared in constant time;
+    anything goes when no token is set."""
+    if not token:
+        return True
+    scheme, _, given = header.partition(" ")
+    return scheme == "Bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
 def require_token(request: Request) -> None:
     """Write endpoints: ``Authorization: Bearer <BALANCEROUTE_API_TOKEN>`` when one is set
-    (compared in constant time)."""
+    (compared in constant time). The app's ``TokenGate`` checks it before the body is read;
+    this dependency also marks the routes in the OpenAPI schema."""
     token = request.app.state.service.settings.api_token
-    if not token:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme != "Bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+    if not token_ok(request.headers.get("authorization", ""), token):
         raise HTTPException(status_code=401, detail="missing or wrong bearer token",
                             headers={"WWW-Authenticate": "Bearer"})
 

@@ -36,7 +36,8 @@ register_estimator(EstimatorSpec(
         window=s.history, min_support=s.exact_match_min_support,
         max_buckets=s.exact_match_max_buckets, bucket_window=s.exact_match_bucket_window,
         prior_weight=s.exact_match_prior_weight,
-        estimate_weight=s.exact_match_estimate_weight),
+        estimate_weight=s.exact_match_estimate_weight, max_bytes=s.exact_match_max_bytes,
+        cache_bytes=s.exact_match_cache_bytes),
     policy="brh-exactmatch",
     description="a Kaplan-Meier curve per prompt key shrunk toward Survival by its support"))
 register_estimator(EstimatorSpec(

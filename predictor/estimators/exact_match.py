@@ -29,21 +29,26 @@ Residual life from the blend needs no blended curve: ``S(a)``, ``S(a+H)`` and
 ``sum_{h<H} S(a+h)`` are linear in the curve, so each is the same blend of the bucket's and
 the global curve's terms (:func:`~predictor.estimators.km.curve_terms`).
 
-Memory is bounded by ``max_buckets`` curves of at most ``bucket_window`` observations each
-(plus the global curve), whatever the number of distinct keys; the least recently updated
-bucket is evicted first.
+Memory is bounded in bytes, not only in counts: a key keeps its last ``bucket_window``
+outcomes as compact arrays (about 800 bytes plus 6 per outcome, whatever the lengths; its
+curve is a step function on the lengths it saw, see :class:`Bucket`), at most
+``max_buckets`` keys and ``max_bytes`` of them are held (the least recently updated evicted
+first), and the step curves cached for queries are bounded by ``cache_bytes`` (least recently
+used dropped first). The global curve is one dense array per length up to the longest output
+in its window (at most 1,048,576 tokens).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
 from typing import Self
 
 import numpy as np
 
 from .base import BaseEstimator, Estimate, Features, Outcomes
-from .km import KaplanMeier, curve_terms, residual_from_terms
+from .km import curve_terms, residual_from_terms
 from .survival import SurvivalEstimator
 
 K_MIN, K_MAX = 0.01, 1000.0
@@ -63,30 +68,63 @@ def group_rows(keys: Sequence[str | None]) -> dict[str, list[int]]:
 
 
 class Bucket:
-    """One key: its windowed Kaplan-Meier curve and the length bins of its ended outputs."""
+    """One key: its most recent ``window`` outcomes (compact arrays) and the length bins of
+    its ended outputs.
 
-    __slots__ = ("curve", "bins", "_steps")
+    The key's Kaplan-Meier curve is computed from the outcomes themselves, as a step function
+    on the distinct lengths seen (:meth:`steps`), never as an array indexed by length: a key
+    costs ``BUCKET_OVERHEAD`` bytes plus 6 per outcome it keeps, whatever the lengths, so an
+    output of 1,048,576 tokens costs no more than one of 10. The curve is exact (the same as
+    a dense Kaplan-Meier of the same outcomes)."""
+
+    __slots__ = ("durations", "events", "bins", "window")
 
     def __init__(self, window: int) -> None:
-        self.curve = KaplanMeier(window)
-        self.bins: deque[int] = deque(maxlen=min(window, BINS_KEPT))
-        self._steps: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.window = window
+        self.durations = np.zeros(0, dtype=np.int32)  # lengths are <= 1,048,576
+        self.events = np.zeros(0, dtype=bool)
+        self.bins = np.zeros(0, dtype=np.int8)  # < 64 bins up to 2 ** 21
 
-    def add(self, durations: np.ndarray, events: np.ndarray) -> None:
-        self.curve.partial_fit(durations, events)
-        self.bins.extend(length_bin(durations[events]).tolist())
-        self._steps = None
+    @property
+    def n_observed(self) -> int:
+        return int(self.durations.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the bucket holds (its objects counted generously, and its arrays)."""
+        return (BUCKET_OVERHEAD + self.durations.nbytes + self.events.nbytes
+                + self.bins.nbytes)
+
+    def add(self, durations: np.ndarray, events: np.ndarray,
+            bins: np.ndarray | None = None) -> None:
+        """Add outcomes; ``bins``: their :func:`length_bin` if known (all of them)."""
+        keep = self.window
+        self.durations = np.concatenate([self.durations, durations.astype(np.int32)])[-keep:]
+        self.events = np.concatenate([self.events, events.astype(bool)])[-keep:]
+        ended = (length_bin(durations) if bins is None else bins)[events].astype(np.int8)
+        if ended.size:
+            self.bins = np.concatenate([self.bins, ended])[-min(keep, BINS_KEPT):]
 
     def steps(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The curve as a step function, cached until the key's next observation: knots
-        ``k_j`` (0 and every change), ``S(k_j)`` and ``sum_{t < k_j} S(t)``. A key's curve
-        changes at most once per observation, so this is small whatever the lengths."""
-        if self._steps is None:
-            survival = self.curve.survival_
-            knots = np.concatenate([[0], np.flatnonzero(np.diff(survival)) + 1])
-            area = np.concatenate([[0.0], np.cumsum(survival)])[knots]
-            self._steps = (knots, survival[knots], area)
-        return self._steps
+        """The key's Kaplan-Meier curve as a step function: knots ``k_j`` (0 and every
+        length with an end), ``S(k_j)`` and ``sum_{t < k_j} S(t)``. At most one knot per
+        outcome kept, whatever the lengths."""
+        times, inverse = np.unique(self.durations, return_inverse=True)
+        ends = np.bincount(inverse, weights=self.events, minlength=times.size)
+        seen = np.bincount(inverse, minlength=times.size)
+        at_risk = np.cumsum(seen[::-1])[::-1].astype(np.float64)
+        after = np.cumprod(1.0 - ends / at_risk)  # S(t) at each distinct length
+        change = ends > 0
+        knots = times[change].astype(np.int64)
+        values = after[change]
+        if knots.size == 0 or knots[0] != 0:
+            knots = np.concatenate([[0], knots])
+            values = np.concatenate([[1.0], values])
+        area = np.concatenate([[0.0], np.cumsum(values[:-1] * np.diff(knots))])
+        return knots, values, area
+
+
+BUCKET_OVERHEAD = 768  # bytes of a bucket's objects and its key's entry, besides array data
 
 
 def length_bin(lengths: np.ndarray) -> np.ndarray:
@@ -109,18 +147,26 @@ def estimate_prior_weight(sequences: Sequence[Sequence[int]]) -> float | None:
         return None
     pooled = np.bincount(np.concatenate([np.asarray(seq) for seq in sequences]))
     f0 = pooled / pooled.sum()
-    share, same, before = [], [], []
-    for seq in repeated:
-        seen: dict[int, int] = {}
-        for i, b in enumerate(seq):
-            if i:
-                share.append(f0[b])
-                same.append(seen.get(b, 0))
-                before.append(i)
-            seen[b] = seen.get(b, 0) + 1
-    f, m, n = (np.asarray(v, dtype=np.float64)[:, None] for v in (share, same, before))
+    lengths = np.fromiter((len(seq) for seq in repeated), np.int64, len(repeated))
+    bins = np.concatenate([np.asarray(seq, dtype=np.int64) for seq in repeated])
+    owner = np.repeat(np.arange(lengths.size), lengths)
+    position = np.arange(bins.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    # m: earlier observations of the same key in the same bin (rank within (key, bin))
+    order = np.lexsort((position, bins, owner))
+    group = owner[order] * (int(bins.max()) + 1) + bins[order]
+    starts = np.flatnonzero(np.concatenate([[True], group[1:] != group[:-1]]))
+    rank = np.arange(order.size) - np.repeat(starts, np.diff(np.append(starts, order.size)))
+    same = np.empty_like(rank)
+    same[order] = rank
+    later = position > 0  # the first observation of each key does not depend on k
+    span = int(position.max()) + 1  # same < position < span: one code per distinct triple
+    codes, count = np.unique((bins[later] * span + same[later]) * span + position[later],
+                             return_counts=True)
+    f = f0[codes // (span * span)][:, None]
+    m = ((codes // span) % span).astype(np.float64)[:, None]
+    n = (codes % span).astype(np.float64)[:, None]
     grid = np.geomspace(K_MIN, K_MAX, 81)[None, :]
-    loglik = (np.log(grid * f + m) - np.log(grid + n)).sum(axis=0)
+    loglik = (count[:, None] * (np.log(grid * f + m) - np.log(grid + n))).sum(axis=0)
     return float(grid[0, int(np.argmax(loglik))])
 
 
@@ -132,6 +178,9 @@ class ExactMatchEstimator(BaseEstimator):
         window: the global curve's window (0: every observation).
         min_support: observations a key's bucket needs before it answers (1: from the first).
         max_buckets: bound on the number of keys held.
+        max_bytes: bound on the keys' memory (see :class:`Bucket`), least recently updated
+            evicted first.
+        cache_bytes: bound on the memory of the step curves cached for queries.
         bucket_window: observations kept per key.
         prior_weight: ``k`` before it can be estimated (or always, see ``estimate_weight``).
         estimate_weight: estimate ``k`` by empirical Bayes from the buckets.
@@ -142,7 +191,8 @@ class ExactMatchEstimator(BaseEstimator):
 
     def __init__(self, window: int = 5000, min_support: int = 1, max_buckets: int = 100_000,
                  bucket_window: int = 256, prior_weight: float = 1.0,
-                 estimate_weight: bool = True, refresh_every: int = 500) -> None:
+                 estimate_weight: bool = True, refresh_every: int = 500,
+                 max_bytes: int = 64 << 20, cache_bytes: int = 16 << 20) -> None:
         if min_support < 1:
             raise ValueError("min_support must be >= 1")
         if max_buckets < 1:
@@ -151,6 +201,8 @@ class ExactMatchEstimator(BaseEstimator):
             raise ValueError("prior_weight must be >= 0")
         if refresh_every < 1:
             raise ValueError("refresh_every must be >= 1")
+        if max_bytes < 1 or cache_bytes < 1:
+            raise ValueError("max_bytes and cache_bytes must be >= 1")
         self.window = window
         self.min_support = min_support
         self.max_buckets = max_buckets
@@ -158,13 +210,19 @@ class ExactMatchEstimator(BaseEstimator):
         self.prior_weight = prior_weight
         self.estimate_weight = estimate_weight
         self.refresh_every = refresh_every
+        self.max_bytes = max_bytes
+        self.cache_bytes = cache_bytes
         self.reset()
 
     def reset(self) -> Self:
         self.fallback_ = SurvivalEstimator(self.window)
         self.buckets_: OrderedDict[str, Bucket] = OrderedDict()
+        self.bytes_ = 0  # the buckets' memory (Bucket.nbytes plus their keys)
+        self._steps: OrderedDict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self.steps_bytes_ = 0
         self.prior_weight_ = float(self.prior_weight)
         self._since_refresh = 0
+        self._deferred: list[np.ndarray] | None = None
         return self
 
     @property
@@ -183,24 +241,75 @@ class ExactMatchEstimator(BaseEstimator):
 
     def partial_fit(self, outcomes: Outcomes) -> Self:
         self.fallback_.partial_fit(outcomes)
+        return self.learn_keys(outcomes)
+
+    def learn_keys(self, outcomes: Outcomes) -> Self:
+        """The per-key part of :meth:`partial_fit` (the global curve left alone): how a
+        restart rebuilds the keys from their newest outcomes without replaying the rest."""
         events = outcomes.events
+        bins = length_bin(outcomes.output_tokens)
         for key, rows in group_rows(outcomes.prompt_key).items():
             bucket = self.buckets_.get(key)
             if bucket is None:
                 bucket = Bucket(self.bucket_window)
                 self.buckets_[key] = bucket
-                if len(self.buckets_) > self.max_buckets:
-                    self.buckets_.popitem(last=False)
             else:
                 self.buckets_.move_to_end(key)
-            bucket.add(outcomes.output_tokens[rows], events[rows])
+                self.bytes_ -= bucket.nbytes + len(key)
+                self._drop_steps(key)
+            bucket.add(outcomes.output_tokens[rows], events[rows], bins[rows])
+            self.bytes_ += bucket.nbytes + len(key)
+            while len(self.buckets_) > 1 and (len(self.buckets_) > self.max_buckets
+                                              or self.bytes_ > self.max_bytes):
+                old_key, old = self.buckets_.popitem(last=False)  # least recently updated
+                self.bytes_ -= old.nbytes + len(old_key)
+                self._drop_steps(old_key)
         self._since_refresh += len(outcomes)
         if self.estimate_weight and self._since_refresh >= self.refresh_every:
             self._since_refresh = 0
-            recent = list(self.buckets_.values())[-KEYS_USED:]
-            estimate = estimate_prior_weight([list(b.bins) for b in recent if b.bins])
-            self.prior_weight_ = self.prior_weight if estimate is None else estimate
+            recent = islice(reversed(self.buckets_.values()), KEYS_USED)
+            held = [b.bins for b in recent if b.bins.size][::-1]  # never mutated: a snapshot
+            if self.defer_refresh:
+                self._deferred = held
+            else:
+                self._refresh(held)
         return self
+
+    # Replaying stored batches (a restart) sets ``defer_refresh``: a due estimate of k keeps
+    # only its input (references to the keys' bin arrays, which are replaced, not changed);
+    # :meth:`refresh_deferred` estimates from the newest once the replay is done. The same k
+    # as estimating at every due point, for the cost of one estimate.
+    defer_refresh = False
+
+    def refresh_deferred(self) -> None:
+        self.defer_refresh = False
+        if self._deferred is not None:
+            self._refresh(self._deferred)
+            self._deferred = None
+
+    def _refresh(self, bins: list[np.ndarray]) -> None:
+        estimate = estimate_prior_weight([b.tolist() for b in bins])
+        self.prior_weight_ = self.prior_weight if estimate is None else estimate
+
+    def _steps_of(self, key: str, bucket: Bucket) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A key's step curve, from a cache bounded by ``cache_bytes`` (least recently used
+        dropped first; a key's entry is dropped when the key learns)."""
+        got = self._steps.get(key)
+        if got is not None:
+            self._steps.move_to_end(key)
+            return got
+        got = bucket.steps()
+        self._steps[key] = got
+        self.steps_bytes_ += _steps_nbytes(key, got)
+        while self.steps_bytes_ > self.cache_bytes and len(self._steps) > 1:
+            old_key, old = self._steps.popitem(last=False)
+            self.steps_bytes_ -= _steps_nbytes(old_key, old)
+        return got
+
+    def _drop_steps(self, key: str) -> None:
+        old = self._steps.pop(key, None)
+        if old is not None:
+            self.steps_bytes_ -= _steps_nbytes(key, old)
 
     def predict(self, features: Features, horizon: int) -> Estimate:
         if self.fallback_.n_observed_ == 0:
@@ -215,11 +324,11 @@ class ExactMatchEstimator(BaseEstimator):
         buckets, least = self.buckets_, self.min_support
         for key, key_rows in group_rows(features.prompt_key).items():
             bucket = buckets.get(key)
-            if bucket is None or bucket.curve.n_observed_ < least:
+            if bucket is None or bucket.n_observed < least:
                 continue
             owner.extend([len(steps)] * len(key_rows))
-            support_of.append(bucket.curve.n_observed_)
-            steps.append(bucket.steps())
+            support_of.append(bucket.n_observed)
+            steps.append(self._steps_of(key, bucket))
             rows.extend(key_rows)
         weight = np.zeros(n_items)
         mine = [column.copy() for column in glob]
@@ -241,6 +350,11 @@ class ExactMatchEstimator(BaseEstimator):
         return Estimate(life.c_hat, life.p_fin, life.mu_rem, source, support)
 
 
+def _steps_nbytes(key: str, steps: tuple[np.ndarray, ...]) -> int:
+    return STEPS_OVERHEAD + len(key) + sum(a.nbytes for a in steps)
+
+
+STEPS_OVERHEAD = 512  # a cached step curve's objects (tuple, three arrays, entry)
 SPAN = 1 << 24  # > any length + horizon: offsets that keep the keys' knots apart
 
 

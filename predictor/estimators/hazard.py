@@ -228,6 +228,8 @@ class HazardEstimator(BaseEstimator):
         self.n_fitted_ = 0
         self.n_fits_ = 0
         self._since_fit = 0
+        self._skipped: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._skipped_fits = 0
         self._cache: dict[int, int] = {}  # group code -> group id
         self._rows: dict[int, np.ndarray] = {}  # group code -> its features, for re-warming
         self._curves: list[Curves] = []
@@ -258,6 +260,17 @@ class HazardEstimator(BaseEstimator):
                 self._install(fitted)
         return self
 
+    def load_key_statistics(self, per_key: list, total: tuple[int, float]) -> Self:
+        """Set the per-key statistics :meth:`partial_fit` accumulates from their all-time
+        sums (``store.key_statistics``; the most recently seen key last): how a restart
+        rebuilds them without replaying every observation."""
+        table = self.keys_.table
+        table.clear()
+        for key, count, ended, log_sum in per_key[-self.max_keys:]:
+            table[key] = [float(count), float(ended or 0), float(log_sum or 0.0)]
+        self.keys_.ended, self.keys_.total = total
+        return self
+
     # A service must not hold the lock its queries take during a fit (about a second): it
     # sets ``defer_fits`` and calls :meth:`fit_deferred` after each ingested batch, which fits
     # outside the lock on a snapshot taken under it. The schedule (which batch triggers a fit,
@@ -274,6 +287,24 @@ class HazardEstimator(BaseEstimator):
         with lock:
             self._install(fitted)
         return True
+
+    def skip_due_fit(self) -> None:
+        """Replaying stored batches: take a due fit's window (as :meth:`fit_deferred` would)
+        without fitting it. Every fit starts from scratch and is deterministic, so only the
+        newest matters; :meth:`fit_skipped` fits it once the replay is done, and the model is
+        the one the full schedule would have left (unless that fit had one class only)."""
+        snapshot = self._due_snapshot()
+        if snapshot is not None:
+            self._skipped = snapshot
+            self._skipped_fits += 1
+
+    def fit_skipped(self) -> None:
+        snapshot, skipped = self._skipped, self._skipped_fits
+        self._skipped, self._skipped_fits = None, 0
+        fitted = self._fit_model(snapshot)
+        if fitted is not None:
+            self._install(fitted)
+            self.n_fits_ += skipped - 1  # counted as the full schedule would
 
     def _due_snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         due = min(self.refit_every, max(self.min_fit, self.n_fitted_))

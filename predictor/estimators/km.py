@@ -29,6 +29,8 @@ import numpy as np
 
 from .base import NotFittedError
 
+SHRINK_FROM = 4096  # arrays shorter than this are never shrunk
+
 
 class KaplanMeier:
     """Online, windowed Kaplan-Meier estimator of ``S(t) = P(o > t)`` on integer lengths."""
@@ -45,6 +47,7 @@ class KaplanMeier:
         self.n_observed_ = 0
         self.running_ = np.zeros(1, dtype=np.int64)  # requests still running, by age
         self._recent: deque[tuple[int, bool]] = deque()
+        self._evicted = 0
         self._survival: np.ndarray | None = None
         self._table: ResidualTable | None = None
         return self
@@ -74,8 +77,26 @@ class KaplanMeier:
                 old, was_event = self._recent.popleft()
                 (self.events_ if was_event else self.censored_)[old] -= 1
                 self.n_observed_ -= 1
+                self._evicted += 1
+            if self._evicted >= self.window:
+                self._evicted = 0
+                self._shrink()
         self._survival = None
         return self
+
+    def _shrink(self) -> None:
+        """Give back the arrays' tail once the longest output left the window: the curve
+        costs memory for the lengths it holds now, not the longest it ever saw."""
+        longest = max(length for length, _ in self._recent) if self._recent else 0
+        size = self.events_.shape[0]
+        if size > SHRINK_FROM and size > 2 * (longest + 1):
+            keep = max(longest + 1, SHRINK_FROM)
+            self.events_ = self.events_[:keep].copy()
+            self.censored_ = self.censored_[:keep].copy()
+            tail = int(self.running_[keep:].sum())  # running ages past the end: just past it
+            self.running_ = self.running_[:keep].copy()
+            self.running_[keep - 1] += tail
+            self._table = None
 
     def set_running(self, ages: np.ndarray) -> KaplanMeier:
         """Requests still running, at their current ages: right-censored evidence (each has

@@ -310,3 +310,48 @@ def test_hazard_fits_outside_the_query_lock_and_rebuilds_the_same_after_restart(
         answers.append(service.contributions(features, 80, "hazard").estimate.c_hat)
         service.engine.dispose()
     np.testing.assert_array_equal(answers[0], answers[1])
+
+
+def test_restart_replays_only_what_the_learners_keep(database_url):
+    """With more stored than ``replay_observations``, the newest are replayed in full and the
+    older ones only for the keys' newest outcomes: the global window and every key's bucket
+    are as before the restart, so the answers are too (k fixed); the hazard model's per-key
+    sums are read as aggregates, equal to the replayed ones."""
+    import numpy as np
+
+    settings = settings_at(database_url, history=300, replay_observations=400,
+                           exact_match_bucket_window=8, exact_match_estimate_weight=False,
+                           hazard_refit_every=100_000)
+    rng = np.random.default_rng(3)
+    query = {"horizon": 40, "estimator": "exact_match", "items": [
+        {"request_id": f"q{i}", "prompt_key": f"k{i % 40}", "generated_tokens": int(g)}
+        for i, g in enumerate(rng.integers(0, 120, 80))]}
+    with TestClient(create_app(settings)) as c:
+        for batch in range(20):  # keys k0..k19 only in the first half, k20..k39 after
+            keys = range(0, 20) if batch < 10 else range(20, 40)
+            c.post("/v1/observations", json={"observations": [
+                obs(f"r{batch}-{i}", int(rng.integers(1, 150)),
+                    "length" if rng.random() < 0.2 else "stop", key=f"k{rng.choice(keys)}")
+                for i in range(100)]})
+        before = c.post("/v1/contributions", json=query).json()
+        status_before = c.get("/v1/status").json()
+        buckets = {k: b.durations.tolist() for k, b in
+                   c.app.state.service.estimators["exact_match"].buckets_.items()}
+        keys = c.app.state.service.estimators["hazard"].keys_
+    with TestClient(create_app(settings)) as c:
+        service = c.app.state.service
+        assert service.last_id == 2000
+        rebuilt = {k: b.durations.tolist() for k, b in
+                   service.estimators["exact_match"].buckets_.items()}
+        sums = service.estimators["hazard"].keys_
+        assert list(sums.table) == list(keys.table)  # the same keys, in the same order
+        for key, stats in keys.table.items():
+            np.testing.assert_allclose(sums.table[key], stats, rtol=1e-12)
+        assert sums.ended == keys.ended
+        assert sums.total == pytest.approx(keys.total, rel=1e-12)
+        after = c.post("/v1/contributions", json=query).json()
+        status_after = c.get("/v1/status").json()
+    assert rebuilt == buckets
+    assert after == before
+    for key in ("model_version", "observations", "buckets"):
+        assert status_after[key] == status_before[key]

@@ -1,0 +1,67 @@
+"""Floods of valid but hostile input against a real ``balanceroute serve`` process on
+127.0.0.1: its memory (peak resident set, ``VmHWM``) stays under the budget the README
+documents. Bounded in count; no wall-clock assertions."""
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from predictor.livesrv import live_process
+
+# The README's budget ("Memory" in the prediction service's sections): peak RSS of a serve
+# process with every estimator, whatever the lengths and the keys' number.
+RSS_BUDGET_MB = 512
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM")
+
+
+def test_poisoned_keys_flood_stays_under_the_memory_budget(tmp_path):
+    keys, per_batch = 6000, 1000
+    with live_process(f"sqlite:///{tmp_path / 'p.db'}") as (base, process), \
+            httpx.Client(base_url=base, timeout=120) as client:
+        for start in range(0, keys, per_batch):
+            batch = [{"request_id": f"p{i}", "prompt_key": f"poison-{i}",
+                      "output_tokens": 1_048_576 - i, "finish_reason": "length"}
+                     for i in range(start, start + per_batch)]
+            got = client.post("/v1/observations", json={"observations": batch})
+            assert got.status_code == 200, got.text
+        answer = client.post("/v1/contributions", json={"estimator": "exact_match", "items": [
+            {"request_id": "q", "prompt_key": "poison-5999", "generated_tokens": 1_000_000}]})
+        assert answer.status_code == 200
+        assert answer.json()["items"][0]["estimator"] == "exact_match"
+        status = client.get("/v1/status").json()
+        assert status["observations"] == keys
+        peak = peak_rss_mb(process.pid)
+    print(f"poisoned-key flood: {keys} keys near 1,048,576 tokens, peak RSS {peak:.0f} MB")
+    assert peak < RSS_BUDGET_MB
+
+
+def test_exact_match_junk_query_flood_stays_under_the_memory_budget(tmp_path):
+    keys, per_batch, queries, items = 50_000, 10_000, 4, 50_000
+    with live_process(f"sqlite:///{tmp_path / 'j.db'}",
+                      env={"BALANCEROUTE_ESTIMATORS": "survival,exact_match"}) as (
+            base, process), httpx.Client(base_url=base, timeout=300) as client:
+        for start in range(0, keys, per_batch):
+            batch = [{"request_id": f"o{i}", "prompt_key": f"key-{i}",
+                      "output_tokens": 1 + (i * 7919) % 20_000, "finish_reason": "stop"}
+                     for i in range(start, start + per_batch)]
+            assert client.post("/v1/observations",
+                               json={"observations": batch}).status_code == 200
+        for q in range(queries):
+            body = {"estimator": "exact_match", "horizon": 4096, "items": [
+                {"request_id": f"junk{q}-{i}", "prompt_key": f"key-{(i + q * items) % keys}",
+                 "generated_tokens": 1_000_000 - i} for i in range(items)]}
+            got = client.post("/v1/contributions", json=body)
+            assert got.status_code == 200
+            assert {i["estimator"] for i in got.json()["items"]} == {"exact_match"}
+        peak = peak_rss_mb(process.pid)
+    print(f"junk-query flood: {queries} x {items} items over {keys} keys, peak RSS {peak:.0f} MB")
+    assert peak < RSS_BUDGET_MB

@@ -37,6 +37,7 @@ from typing import Literal
 
 import numpy as np
 
+from . import fastpath
 from .errors import ContractError, ParameterError
 from .fleet import Assignment, FleetView, WaitingRequest
 from .fscore import MarginTable, candidate_rows, discounts
@@ -45,6 +46,7 @@ from .subset import SubsetChoice, best_subset
 
 Stage1Rule = Literal["auto", "paper", "best-pair"]
 MAX_ENUMERATED_SUBSETS = 4096  # Stage 2 with candidate rows: enumerate up to this many subsets
+FAST_PATH = True  # BR-0's Stage 1 by router_client.fastpath where it is exact (False: reference)
 
 
 @dataclass(frozen=True)
@@ -162,16 +164,23 @@ def build_table(fleet: FleetView, params: BalanceRouteParams) -> MarginTable:
 
 
 def route_round(
-    fleet: FleetView, pool: list[WaitingRequest], params: BalanceRouteParams
+    fleet: FleetView, pool: list[WaitingRequest], params: BalanceRouteParams,
+    reference: bool | None = None,
 ) -> tuple[list[Assignment], RoundStats]:
-    """One scheduling round of BR-H (or BR-0 when ``params.horizon == 0``)."""
+    """One scheduling round of BR-H (or BR-0 when ``params.horizon == 0``).
+
+    ``reference=True`` runs the pure-Python/numpy reference throughout; the default
+    (:data:`FAST_PATH`) takes BR-0's Stage 1 through :mod:`router_client.fastpath`, which makes
+    the same decisions."""
     started = perf_counter()
     stats = RoundStats(used_prediction=params.horizon > 0)
     free = fleet.free_slots.astype(np.int64).copy()
     if not pool or int(free.sum()) <= 0:
         return [], stats
     state = _Round(fleet, pool, params, free, stats)
-    state.stage1()
+    fast = FAST_PATH if reference is None else not reference
+    if not (fast and state.fast_stage1()):
+        state.stage1()
     stage2_started = perf_counter()
     stats.extra["stage1_s"] = stage2_started - started
     state.stage2()
@@ -212,6 +221,33 @@ class _Round:
         self.free[worker] -= 1
         self.total_free -= 1
         self.out.append(Assignment(index, worker, guard))
+
+    def fast_stage1(self) -> bool:
+        """Stage 1 by :mod:`router_client.fastpath`; False (nothing done) where it does not
+        apply."""
+        params, rule = self.params, self.params.stage1
+        pair = rule == "best-pair" or (rule == "auto" and self.short_pool)
+        threshold = 0 if (rule == "auto" and self.short_pool) else params.s_greedy
+        if self.total_free <= threshold:
+            return params.horizon == 0  # no Stage-1 admission either way
+        loads = self.table.loads[:, 0]
+        if not fastpath.applies(params.horizon, self.rows, loads, self.sizes):
+            return False
+        window = fastpath.Window(self.sizes, self.waiting, params.stage1_candidates)
+        if pair:
+            done = fastpath.stage1_best_pair(loads, self.free, window, self.table.beta,
+                                             threshold)
+        else:
+            done = fastpath.stage1_paper(loads, self.free, window, self.table.beta,
+                                         params.s_greedy)
+        self.out.extend(Assignment(index, worker) for index, worker in done.admitted)
+        self.stats.stage1_admissions += len(done.admitted)
+        self.free[:] = done.free
+        self.total_free = int(done.free.sum())
+        self.waiting = done.waiting
+        self.table = MarginTable(done.loads[:, None], self.table.d, self.table.alpha,
+                                 self.table.beta)
+        return True
 
     def stage1(self) -> None:
         params, rule = self.params, self.params.stage1

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from itertools import combinations
 from math import comb
+from operator import attrgetter
 from time import perf_counter
 from typing import Literal
 
@@ -46,6 +47,7 @@ from .subset import SubsetChoice, best_subset
 
 Stage1Rule = Literal["auto", "paper", "best-pair"]
 MAX_ENUMERATED_SUBSETS = 4096  # Stage 2 with candidate rows: enumerate up to this many subsets
+_PROMPT_TOKENS = attrgetter("prompt_tokens")
 FAST_PATH = True  # BR-0's Stage 1 by router_client.fastpath where it is exact (False: reference)
 
 
@@ -183,7 +185,8 @@ def route_round(
         state.stage1()
     stage2_started = perf_counter()
     stats.extra["stage1_s"] = stage2_started - started
-    state.stage2()
+    if not (fast and state.fast_stage2()):
+        state.stage2()
     stats.extra["stage2_s"] = perf_counter() - stage2_started
     return state.out, stats
 
@@ -196,8 +199,7 @@ class _Round:
         self.fleet, self.params, self.free, self.stats = fleet, params, free, stats
         self.total_free = int(free.sum())
         self.table = build_table(fleet, params)
-        self.sizes = np.fromiter((r.prompt_tokens for r in pool), dtype=np.float64,
-                                 count=len(pool))
+        self.sizes = np.fromiter(map(_PROMPT_TOKENS, pool), dtype=np.float64, count=len(pool))
         self.rows: np.ndarray | None = None
         if params.candidate_life and params.horizon > 0:
             pool_c_hat = fleet.pool_c_hat
@@ -207,6 +209,7 @@ class _Round:
         self.waiting = list(range(len(pool)))  # pool indices still waiting, in arrival order
         self.short_pool = len(pool) <= self.total_free
         self.out: list[Assignment] = []
+        self.exact = False
 
     def score(self, worker: int, indices: list[int]) -> np.ndarray:
         if self.rows is not None:
@@ -233,6 +236,7 @@ class _Round:
         loads = self.table.loads[:, 0]
         if not fastpath.applies(params.horizon, self.rows, loads, self.sizes):
             return False
+        self.exact = True  # the fast path applies to this round (checked once)
         window = fastpath.Window(self.sizes, self.waiting, params.stage1_candidates)
         if pair:
             done = fastpath.stage1_best_pair(loads, self.free, window, self.table.beta,
@@ -247,6 +251,24 @@ class _Round:
         self.waiting = done.waiting
         self.table = MarginTable(done.loads[:, None], self.table.d, self.table.alpha,
                                  self.table.beta)
+        return True
+
+    def fast_stage2(self) -> bool:
+        """Stage 2 by :func:`router_client.fastpath.stage2_br0` (BR-0 only); False (nothing
+        done) where it does not apply."""
+        if not self.waiting or self.total_free <= 0:
+            return True
+        loads = self.table.loads[:, 0]
+        if not (self.exact or fastpath.applies(self.params.horizon, self.rows, loads,
+                                                self.sizes)):
+            return False
+        done = fastpath.stage2_br0(loads, self.free, self.sizes, self.waiting,
+                                   self.params.r_max, self.table.beta)
+        for index, worker, guard in done.admitted:
+            self.out.append(Assignment(index, worker, guard))
+            self.stats.stage2_admissions += 1
+            self.stats.starvation_guard_admissions += int(guard)
+        self.waiting = done.waiting
         return True
 
     def stage1(self) -> None:
@@ -292,8 +314,10 @@ class _Round:
                 self.stats.stage2_admissions += 1
                 self.stats.starvation_guard_admissions += 1
                 picked = [index]
-            taken = set(picked)
-            self.waiting = [i for i in self.waiting if i not in taken]
+            taken = set(picked)  # all among the first r_max: only the head is rebuilt
+            head = len(candidates)
+            self.waiting = ([i for i in self.waiting[:head] if i not in taken]
+                            + self.waiting[head:])
 
     def _subset(self, worker: int, candidates: list[int]) -> SubsetChoice | None:
         if self.rows is not None:

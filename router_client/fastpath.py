@@ -18,7 +18,8 @@ The arithmetic is the reference's (:meth:`router_client.fscore.MarginTable.score
 ``F = D`` below the margin, ``D - G * (D - m)`` above), in float64 on integer-valued loads and
 sizes, so every comparison, ties included, comes out the same. The path applies only where
 that holds (:func:`applies`); anything else (BR-H, G = 1, non-integer loads) runs the
-reference. Stage 2 (the exact subset choice) is the reference's in every case.
+reference. Stage 2 (:func:`stage2_br0`) is the reference's loop on scalar state; the subset
+choice itself is the exact bitset search of :mod:`router_client.subset` in every case.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
+
+from .subset import best_subset
 
 EXACT_LIMIT = float(2**40)  # integer-valued floats below this add and multiply by G exactly
 
@@ -91,7 +95,8 @@ class Window:
             insort(self.keys, (float(self.sizes[entering]), entering))
 
     def still_waiting(self) -> list[int]:
-        return [i for i in self.order if i not in self.taken]
+        head = self.next_in  # everything taken entered the window, which is a prefix
+        return [i for i in self.order[:head] if i not in self.taken] + self.order[head:]
 
 
 @dataclass
@@ -166,3 +171,52 @@ def best_per_worker(sizes: np.ndarray, indices: np.ndarray, margins: np.ndarray,
     take_high = (high_score > low_score) | ((high_score == low_score) & (high_index < low_index))
     return (np.where(take_high, high_score, low_score),
             np.where(take_high, high_index, low_index))
+
+
+def br0_scores(totals: np.ndarray, margin: float, beta: float) -> np.ndarray:
+    """:meth:`MarginTable.score` at H = 0 with the same arithmetic: ``D`` up to the margin,
+    ``D - beta * (D - m)`` above it."""
+    totals = np.asarray(totals, dtype=np.float64)
+    return np.where(totals > margin, totals - beta * (totals - margin), totals)
+
+
+@dataclass
+class Stage2Result:
+    """Stage 2's admissions ``(pool index, worker, starvation guard)`` and the waiting list."""
+
+    admitted: list[tuple[int, int, bool]]
+    waiting: list[int]
+
+
+def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: list[int],
+               r_max: int, beta: float) -> Stage2Result:
+    """The reference's Stage 2 at H = 0 on scalar state: workers by (most free slots, widest
+    margin, index), each the exact best subset of the first ``r_max`` waiting requests
+    (:func:`router_client.subset.best_subset`, peak at the margin), starvation guard alike."""
+    load = loads.astype(np.float64).tolist()
+    envelope = max(load)
+    slots = free.tolist()
+    order = sorted((-slots[g], -(envelope - load[g]), g) for g in np.flatnonzero(free > 0).tolist())
+    admitted: list[tuple[int, int, bool]] = []
+    for _, _, worker in order:
+        if not waiting:
+            break
+        candidates = waiting[:r_max]
+        margin = envelope - load[worker]
+        score = partial(br0_scores, margin=margin, beta=beta)
+        choice = best_subset([int(sizes[i]) for i in candidates], slots[worker], score, margin)
+        if choice is None:
+            continue
+        if choice.score > 0:
+            picked = [candidates[k] for k in choice.indices]
+            guard = False
+        else:  # starvation guard: the single best request, even at F <= 0
+            picked = [candidates[int(np.argmax(score(sizes[candidates])))]]
+            guard = True
+        for index in picked:
+            load[worker] += float(sizes[index])
+            envelope = max(envelope, load[worker])
+            admitted.append((index, worker, guard))
+        taken = set(picked)
+        waiting = [i for i in candidates if i not in taken] + waiting[len(candidates):]
+    return Stage2Result(admitted, waiting)

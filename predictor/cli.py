@@ -115,8 +115,8 @@ def _add_ab(sub) -> None:
                     help="BR-H scores a candidate by its projected added work (s + h while its "
                     "own c_hat says it runs); --no-candidate-life: the paper's constant D")
     ab.add_argument("--gamma", type=float, default=0.86, help="BR-H discount (default 0.86)")
-    ab.add_argument("--rmax", type=int, default=4,
-                    help="Stage-2 candidates per worker (default 4)")
+    ab.add_argument("--rmax", type=int, default=None,
+                    help="Stage-2 candidates per worker (default: BR-0 min(4G, 64), BR-H 4)")
     ab.add_argument("--s-greedy", type=int, default=7,
                     help="Stage 1 runs while more slots than this are free (default 7)")
     ab.add_argument("--stage1", default="auto", choices=["auto", "paper", "best-pair"],
@@ -166,7 +166,8 @@ def _add_bench(sub) -> argparse._SubParsersAction:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     router = bench_sub.add_parser("router", help="time full BR-H scheduling rounds")
     router.add_argument("--workers", type=int, default=8)
-    router.add_argument("--rmax", type=int, default=4)
+    router.add_argument("--rmax", type=int, default=None,
+                        help="Stage-2 window (default: BR-0 min(4G, 64), BR-H 4)")
     router.add_argument("--pool", type=int, default=256)
     router.add_argument("--batch", type=int, default=64)
     router.add_argument("--horizon", type=int, default=80)

@@ -48,6 +48,9 @@ from .subset import SubsetChoice, best_subset
 Stage1Rule = Literal["auto", "paper", "best-pair"]
 MAX_ENUMERATED_SUBSETS = 4096  # Stage 2 with candidate rows: enumerate up to this many subsets
 _PROMPT_TOKENS = attrgetter("prompt_tokens")
+BR0_WINDOW_PER_WORKER = 4  # BR-0's default Stage-2 window: 4G requests ...
+BR0_WINDOW_CAP = 64  # ... but never more than this (router time at large G)
+BRH_R_MAX = 4  # BR-H's default R_max (the paper's)
 FAST_PATH = True  # BR-0's Stage 1 by router_client.fastpath where it is exact (False: reference)
 
 
@@ -66,7 +69,10 @@ class BalanceRouteParams:
         alpha: weight of the fill benefit.
         beta: weight of the overflow penalty; ``None`` means ``alpha * G`` (for BR-0: ``G``).
         gamma: per-step discount in (0, 1].
-        r_max: Stage-2 candidates per worker (the first ``r_max`` of the pool).
+        r_max: Stage-2 candidates per worker (the first ``r_max`` of the pool); ``None``
+            (default): BR-0 takes the first ``min(4G, 64)`` (the peer's whole 4G window,
+            capped for the router's time budget; measured, see the README), BR-H the
+            paper's 4.
         s_greedy: Stage 1 runs while the fleet's free slots exceed this.
         stage1_candidates: Stage 1 looks at the first this-many waiting requests.
         stage1: Stage-1 rule, see the module docstring.
@@ -79,7 +85,7 @@ class BalanceRouteParams:
     alpha: float = 1.0
     beta: float | None = None
     gamma: float = 0.86
-    r_max: int = 4
+    r_max: int | None = None
     s_greedy: int = 7
     stage1_candidates: int = 1024
     stage1: Stage1Rule = "auto"
@@ -96,7 +102,7 @@ class BalanceRouteParams:
             raise ParameterError("beta", "must be >= 0")
         if not 0.0 < self.gamma <= 1.0:
             raise ParameterError("gamma", "must be in (0, 1]")
-        if self.r_max < 1:
+        if self.r_max is not None and self.r_max < 1:
             raise ParameterError("r_max", "must be >= 1")
         if self.s_greedy < 0:
             raise ParameterError("s_greedy", "must be >= 0")
@@ -126,6 +132,14 @@ class BalanceRouteParams:
                 "beta", f"BR-0 (horizon 0) forces beta = G = {workers}, got {self.beta:g}"
             )
         return float(self.beta)
+
+    def effective_r_max(self, workers: int) -> int:
+        """``r_max``, or the default window when unset (see the attribute)."""
+        if self.r_max is not None:
+            return self.r_max
+        if self.horizon == 0:
+            return min(BR0_WINDOW_PER_WORKER * workers, BR0_WINDOW_CAP)
+        return BRH_R_MAX
 
     def as_br0(self) -> BalanceRouteParams:
         """The BR-0 parameters this BR-H falls back to (same stage settings)."""
@@ -263,7 +277,8 @@ class _Round:
                                                 self.sizes)):
             return False
         done = fastpath.stage2_br0(loads, self.free, self.sizes, self.waiting,
-                                   self.params.r_max, self.table.beta)
+                                   self.params.effective_r_max(self.fleet.workers),
+                                   self.table.beta)
         for index, worker, guard in done.admitted:
             self.out.append(Assignment(index, worker, guard))
             self.stats.stage2_admissions += 1
@@ -299,7 +314,7 @@ class _Round:
         heapq.heapify(heap)
         while heap and self.waiting:
             _, _, worker = heapq.heappop(heap)
-            candidates = self.waiting[: self.params.r_max]
+            candidates = self.waiting[: self.params.effective_r_max(self.fleet.workers)]
             choice = self._subset(worker, candidates)
             if choice is None:
                 continue

@@ -67,7 +67,7 @@ def sample_states(workers: int, batch: int, horizon: int, seed: int, wanted: int
     return states, trace.prompt_tokens
 
 
-def bench_router(workers: int = 8, rmax: int = 4, pool: int = 256, batch: int = 64,
+def bench_router(workers: int = 8, rmax: int | None = None, pool: int = 256, batch: int = 64,
                  horizon: int = 80, rounds: int = 2000, seed: int = 0) -> dict:
     """Time rounds of the default path, the pure-Python/numpy reference (``reference=True``)
     and, for BR-H, the paper's form, interleaved on the same states. ``horizon=0``: BR-0."""
@@ -105,7 +105,8 @@ def bench_router(workers: int = 8, rmax: int = 4, pool: int = 256, batch: int = 
         admitted.append(len(assignments))
     return {
         "policy": "brh-oracle" if horizon else "br0",
-        "workers": workers, "rmax": rmax, "pool": pool, "rounds": rounds,
+        "workers": workers, "rmax": params.effective_r_max(workers), "pool": pool,
+        "rounds": rounds,
         **_percentiles("", times["fast"]),
         **_percentiles("reference_", times["reference"]),
         **(_percentiles("paper_form_", times["paper"]) if times["paper"] else {}),

@@ -31,7 +31,7 @@ from functools import partial
 
 import numpy as np
 
-from .subset import best_subset
+from .subset import SubsetChoice, best_subset
 
 EXACT_LIMIT = float(2**40)  # integer-valued floats below this add and multiply by G exactly
 
@@ -204,7 +204,11 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
         candidates = waiting[:r_max]
         margin = envelope - load[worker]
         score = partial(br0_scores, margin=margin, beta=beta)
-        choice = best_subset([int(sizes[i]) for i in candidates], slots[worker], score, margin)
+        totals = [int(sizes[i]) for i in candidates]
+        if min(slots[worker], len(candidates)) == 1:
+            choice: SubsetChoice | None = best_single(totals, margin, beta)
+        else:
+            choice = best_subset(totals, slots[worker], score, margin, truncate=True)
         if choice is None:
             continue
         if choice.score > 0:
@@ -220,3 +224,17 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
         taken = set(picked)
         waiting = [i for i in candidates if i not in taken] + waiting[len(candidates):]
     return Stage2Result(admitted, waiting)
+
+
+def best_single(totals: list[int], margin: float, beta: float) -> SubsetChoice:
+    """:func:`router_client.subset.best_subset` with room for one request, without bitsets:
+    the largest size up to ``floor(margin)`` or the smallest above it, the higher F (ties: the
+    smaller size), the earliest candidate of that size (what its recovery returns)."""
+    limit = int(np.floor(margin))
+    below = [t for t in totals if t <= limit]
+    above = [t for t in totals if t > limit]
+    options = ([max(below)] if below else []) + ([min(above)] if above else [])
+    values = br0_scores(np.asarray(options, dtype=np.float64), margin, beta)
+    best = min(range(len(options)), key=lambda k: (-float(values[k]), options[k]))
+    total = options[best]
+    return SubsetChoice((totals.index(total),), total, float(values[best]))

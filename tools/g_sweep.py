@@ -49,7 +49,7 @@ def plot(paths: list[Path], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for path in paths:
+    for color, path in zip(("tab:blue", "tab:orange", "tab:green"), paths, strict=False):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line]
         ltl = {r["workers"]: r for r in rows if r["policy"] == "ltl"}
         br0 = sorted((r for r in rows if r["policy"] == "br0" and r["workers"] in ltl),
@@ -57,11 +57,12 @@ def plot(paths: list[Path], png: Path) -> None:
         gs = [r["workers"] for r in br0]
         label = rows[0]["trace"].split("/")[-1]
         left.plot(gs, [r["throughput_tok_s"] / ltl[r["workers"]]["throughput_tok_s"]
-                       for r in br0], marker="o", label=f"BR-0, {label}")
+                       for r in br0], marker="o", color=color, label=f"BR-0, {label}")
         right.plot(gs, [r["throughput_tok_s"] / r["balanced_bound_tok_s"] for r in br0],
-                   marker="o", label=f"BR-0, {label}")
+                   marker="o", color=color, label=f"BR-0, {label}")
         right.plot(gs, [ltl[g]["throughput_tok_s"] / ltl[g]["balanced_bound_tok_s"] for g in gs],
-                   marker="x", linestyle="--", label=f"least-token-load, {label}")
+                   marker="x", linestyle="--", color=color,
+                   label=f"least-token-load, {label}")
     for axis, title in ((left, "throughput / least-token-load"),
                         (right, "share of the balanced bound")):
         axis.set_xscale("log", base=2)

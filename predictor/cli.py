@@ -170,7 +170,8 @@ def _add_bench(sub) -> argparse._SubParsersAction:
                         help="Stage-2 window (default: BR-0 min(4G, 64), BR-H 4)")
     router.add_argument("--pool", type=int, default=256)
     router.add_argument("--batch", type=int, default=64)
-    router.add_argument("--horizon", type=int, default=80)
+    router.add_argument("--horizon", type=int, default=80,
+                        help="H of the BR-H timed (default 80); 0 times BR-0 and its fast path")
     router.add_argument("--rounds", type=int, default=2000)
     router.add_argument("--seed", type=int, default=0)
     router.add_argument("--json", type=Path, default=None)

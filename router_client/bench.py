@@ -1,4 +1,8 @@
-"""``balanceroute bench router``: time whole BR-H scheduling rounds.
+"""``balanceroute bench router``: time whole BR-H (or, with ``horizon=0``, BR-0) rounds.
+
+Each state is routed three ways in the same run: the default path, the pure-Python/numpy
+reference (``route_round(..., reference=True)``; the two must agree) and, for BR-H, the
+paper's form.
 
 Fleet states are sampled from a simulated run (``synth:long``, decode-heavy like the paper's
 traces, saturated: ``--load backlog``, BR-H with oracle predictions) once at most 10% of the

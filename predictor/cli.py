@@ -119,8 +119,8 @@ def _add_ab(sub) -> None:
                     "by a request of the pool's mean prompt (when the pool outnumbers the free "
                     "slots); default off")
     ab.add_argument("--gamma", type=float, default=0.86, help="BR-H discount (default 0.86)")
-    ab.add_argument("--rmax", type=int, default=4,
-                    help="Stage-2 candidates per worker (default 4)")
+    ab.add_argument("--rmax", type=int, default=None,
+                    help="Stage-2 candidates per worker (default: BR-0 min(4G, 64), BR-H 4)")
     ab.add_argument("--s-greedy", type=int, default=7,
                     help="Stage 1 runs while more slots than this are free (default 7)")
     ab.add_argument("--stage1", default="auto", choices=["auto", "paper", "best-pair"],
@@ -170,10 +170,12 @@ def _add_bench(sub) -> argparse._SubParsersAction:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     router = bench_sub.add_parser("router", help="time full BR-H scheduling rounds")
     router.add_argument("--workers", type=int, default=8)
-    router.add_argument("--rmax", type=int, default=4)
+    router.add_argument("--rmax", type=int, default=None,
+                        help="Stage-2 window (default: BR-0 min(4G, 64), BR-H 4)")
     router.add_argument("--pool", type=int, default=256)
     router.add_argument("--batch", type=int, default=64)
-    router.add_argument("--horizon", type=int, default=80)
+    router.add_argument("--horizon", type=int, default=80,
+                        help="H of the BR-H timed (default 80); 0 times BR-0 and its fast path")
     router.add_argument("--rounds", type=int, default=2000)
     router.add_argument("--seed", type=int, default=0)
     router.add_argument("--json", type=Path, default=None)

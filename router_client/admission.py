@@ -32,11 +32,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from itertools import combinations
 from math import comb
+from operator import attrgetter
 from time import perf_counter
 from typing import Literal
 
 import numpy as np
 
+from . import fastpath
 from .errors import ContractError, ParameterError
 from .fleet import Assignment, FleetView, WaitingRequest
 from .fscore import MarginTable, candidate_rows, discounts
@@ -45,6 +47,11 @@ from .subset import SubsetChoice, best_subset
 
 Stage1Rule = Literal["auto", "paper", "best-pair"]
 MAX_ENUMERATED_SUBSETS = 4096  # Stage 2 with candidate rows: enumerate up to this many subsets
+_PROMPT_TOKENS = attrgetter("prompt_tokens")
+BR0_WINDOW_PER_WORKER = 4  # BR-0's default Stage-2 window: 4G requests ...
+BR0_WINDOW_CAP = 64  # ... but never more than this (router time at large G)
+BRH_R_MAX = 4  # BR-H's default R_max (the paper's)
+FAST_PATH = True  # BR-0's Stage 1 by router_client.fastpath where it is exact (False: reference)
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,10 @@ class BalanceRouteParams:
         alpha: weight of the fill benefit.
         beta: weight of the overflow penalty; ``None`` means ``alpha * G`` (for BR-0: ``G``).
         gamma: per-step discount in (0, 1].
-        r_max: Stage-2 candidates per worker (the first ``r_max`` of the pool).
+        r_max: Stage-2 candidates per worker (the first ``r_max`` of the pool); ``None``
+            (default): BR-0 takes the first ``min(4G, 64)`` (the peer's whole 4G window,
+            capped for the router's time budget; measured, see the README), BR-H the
+            paper's 4.
         s_greedy: Stage 1 runs while the fleet's free slots exceed this.
         stage1_candidates: Stage 1 looks at the first this-many waiting requests.
         stage1: Stage-1 rule, see the module docstring.
@@ -80,7 +90,7 @@ class BalanceRouteParams:
     alpha: float = 1.0
     beta: float | None = None
     gamma: float = 0.86
-    r_max: int = 4
+    r_max: int | None = None
     s_greedy: int = 7
     stage1_candidates: int = 1024
     stage1: Stage1Rule = "auto"
@@ -98,7 +108,7 @@ class BalanceRouteParams:
             raise ParameterError("beta", "must be >= 0")
         if not 0.0 < self.gamma <= 1.0:
             raise ParameterError("gamma", "must be in (0, 1]")
-        if self.r_max < 1:
+        if self.r_max is not None and self.r_max < 1:
             raise ParameterError("r_max", "must be >= 1")
         if self.s_greedy < 0:
             raise ParameterError("s_greedy", "must be >= 0")
@@ -128,6 +138,14 @@ class BalanceRouteParams:
                 "beta", f"BR-0 (horizon 0) forces beta = G = {workers}, got {self.beta:g}"
             )
         return float(self.beta)
+
+    def effective_r_max(self, workers: int) -> int:
+        """``r_max``, or the default window when unset (see the attribute)."""
+        if self.r_max is not None:
+            return self.r_max
+        if self.horizon == 0:
+            return min(BR0_WINDOW_PER_WORKER * workers, BR0_WINDOW_CAP)
+        return BRH_R_MAX
 
     def as_br0(self) -> BalanceRouteParams:
         """The BR-0 parameters this BR-H falls back to (same stage settings)."""
@@ -171,19 +189,27 @@ def build_table(fleet: FleetView, params: BalanceRouteParams,
 
 
 def route_round(
-    fleet: FleetView, pool: list[WaitingRequest], params: BalanceRouteParams
+    fleet: FleetView, pool: list[WaitingRequest], params: BalanceRouteParams,
+    reference: bool | None = None,
 ) -> tuple[list[Assignment], RoundStats]:
-    """One scheduling round of BR-H (or BR-0 when ``params.horizon == 0``)."""
+    """One scheduling round of BR-H (or BR-0 when ``params.horizon == 0``).
+
+    ``reference=True`` runs the pure-Python/numpy reference throughout; the default
+    (:data:`FAST_PATH`) takes BR-0's Stage 1 through :mod:`router_client.fastpath`, which makes
+    the same decisions."""
     started = perf_counter()
     stats = RoundStats(used_prediction=params.horizon > 0)
     free = fleet.free_slots.astype(np.int64).copy()
     if not pool or int(free.sum()) <= 0:
         return [], stats
     state = _Round(fleet, pool, params, free, stats)
-    state.stage1()
+    fast = FAST_PATH if reference is None else not reference
+    if not (fast and state.fast_stage1()):
+        state.stage1()
     stage2_started = perf_counter()
     stats.extra["stage1_s"] = stage2_started - started
-    state.stage2()
+    if not (fast and state.fast_stage2()):
+        state.stage2()
     stats.extra["stage2_s"] = perf_counter() - stage2_started
     return state.out, stats
 
@@ -195,8 +221,7 @@ class _Round:
                  params: BalanceRouteParams, free: np.ndarray, stats: RoundStats) -> None:
         self.fleet, self.params, self.free, self.stats = fleet, params, free, stats
         self.total_free = int(free.sum())
-        self.sizes = np.fromiter((r.prompt_tokens for r in pool), dtype=np.float64,
-                                 count=len(pool))
+        self.sizes = np.fromiter(map(_PROMPT_TOKENS, pool), dtype=np.float64, count=len(pool))
         refill = None
         if params.refill and params.horizon > 0 and len(pool) > self.total_free:
             refill = float(self.sizes[: params.stage1_candidates].mean())
@@ -210,6 +235,7 @@ class _Round:
         self.waiting = list(range(len(pool)))  # pool indices still waiting, in arrival order
         self.short_pool = len(pool) <= self.total_free
         self.out: list[Assignment] = []
+        self.exact = False
 
     def score(self, worker: int, indices: list[int]) -> np.ndarray:
         if self.rows is not None:
@@ -224,6 +250,53 @@ class _Round:
         self.free[worker] -= 1
         self.total_free -= 1
         self.out.append(Assignment(index, worker, guard))
+
+    def fast_stage1(self) -> bool:
+        """Stage 1 by :mod:`router_client.fastpath`; False (nothing done) where it does not
+        apply."""
+        params, rule = self.params, self.params.stage1
+        pair = rule == "best-pair" or (rule == "auto" and self.short_pool)
+        threshold = 0 if (rule == "auto" and self.short_pool) else params.s_greedy
+        if self.total_free <= threshold:
+            return params.horizon == 0  # no Stage-1 admission either way
+        loads = self.table.loads[:, 0]
+        if not fastpath.applies(params.horizon, self.rows, loads, self.sizes):
+            return False
+        self.exact = True  # the fast path applies to this round (checked once)
+        window = fastpath.Window(self.sizes, self.waiting, params.stage1_candidates)
+        if pair:
+            done = fastpath.stage1_best_pair(loads, self.free, window, self.table.beta,
+                                             threshold)
+        else:
+            done = fastpath.stage1_paper(loads, self.free, window, self.table.beta,
+                                         params.s_greedy)
+        self.out.extend(Assignment(index, worker) for index, worker in done.admitted)
+        self.stats.stage1_admissions += len(done.admitted)
+        self.free[:] = done.free
+        self.total_free = int(done.free.sum())
+        self.waiting = done.waiting
+        self.table = MarginTable(done.loads[:, None], self.table.d, self.table.alpha,
+                                 self.table.beta)
+        return True
+
+    def fast_stage2(self) -> bool:
+        """Stage 2 by :func:`router_client.fastpath.stage2_br0` (BR-0 only); False (nothing
+        done) where it does not apply."""
+        if not self.waiting or self.total_free <= 0:
+            return True
+        loads = self.table.loads[:, 0]
+        if not (self.exact or fastpath.applies(self.params.horizon, self.rows, loads,
+                                                self.sizes)):
+            return False
+        done = fastpath.stage2_br0(loads, self.free, self.sizes, self.waiting,
+                                   self.params.effective_r_max(self.fleet.workers),
+                                   self.table.beta)
+        for index, worker, guard in done.admitted:
+            self.out.append(Assignment(index, worker, guard))
+            self.stats.stage2_admissions += 1
+            self.stats.starvation_guard_admissions += int(guard)
+        self.waiting = done.waiting
+        return True
 
     def stage1(self) -> None:
         params, rule = self.params, self.params.stage1
@@ -253,7 +326,7 @@ class _Round:
         heapq.heapify(heap)
         while heap and self.waiting:
             _, _, worker = heapq.heappop(heap)
-            candidates = self.waiting[: self.params.r_max]
+            candidates = self.waiting[: self.params.effective_r_max(self.fleet.workers)]
             choice = self._subset(worker, candidates)
             if choice is None:
                 continue
@@ -268,8 +341,10 @@ class _Round:
                 self.stats.stage2_admissions += 1
                 self.stats.starvation_guard_admissions += 1
                 picked = [index]
-            taken = set(picked)
-            self.waiting = [i for i in self.waiting if i not in taken]
+            taken = set(picked)  # all among the first r_max: only the head is rebuilt
+            head = len(candidates)
+            self.waiting = ([i for i in self.waiting[:head] if i not in taken]
+                            + self.waiting[head:])
 
     def _subset(self, worker: int, candidates: list[int]) -> SubsetChoice | None:
         if self.rows is not None:

@@ -1,4 +1,8 @@
-"""``balanceroute bench router``: time whole BR-H scheduling rounds.
+"""``balanceroute bench router``: time whole BR-H (or, with ``horizon=0``, BR-0) rounds.
+
+Each state is routed three ways in the same run: the default path, the pure-Python/numpy
+reference (``route_round(..., reference=True)``; the two must agree) and, for BR-H, the
+paper's form.
 
 Fleet states are sampled from a simulated run (``synth:long``, decode-heavy like the paper's
 traces, saturated: ``--load backlog``, BR-H with oracle predictions) once at most 10% of the
@@ -9,6 +13,7 @@ stages, subset selection) is timed with ``perf_counter``.
 
 from __future__ import annotations
 
+import gc
 import platform
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -39,12 +44,13 @@ class _Recorder:
 
     @property
     def needs_predictions(self) -> bool:
-        return True
+        return self.inner.needs_predictions
 
     def route(self, fleet: FleetView, pool: list[WaitingRequest]) -> Decision:
         self.calls += 1
         full = fleet.free_slots.sum() <= max(1.0, 0.1 * self.capacity_slots)
-        if full and fleet.active_c_hat is not None and self.calls % self.stride == 0:
+        predicted = fleet.active_c_hat is not None or not self.inner.needs_predictions
+        if full and predicted and self.calls % self.stride == 0:
             self.states.append((fleet, list(pool)))
         return self.inner.route(fleet, pool)
 
@@ -54,8 +60,10 @@ def sample_states(workers: int, batch: int, horizon: int, seed: int, wanted: int
     n = max(4000, workers * batch * 5)
     trace = synthesize(f"synth:long:n={n},seed={seed}")
     params = BalanceRouteParams(horizon=horizon)
-    recorder = _Recorder(BalanceRoutePolicy("brh-oracle", params), workers * batch, stride=1)
-    config = SimConfig(workers=workers, batch=batch, load="backlog", horizon=horizon, seed=seed)
+    name = "brh-oracle" if horizon else "br0"
+    recorder = _Recorder(BalanceRoutePolicy(name, params), workers * batch, stride=1)
+    config = SimConfig(workers=workers, batch=batch, load="backlog", horizon=max(horizon, 1),
+                       seed=seed)
     simulate(trace, recorder, config, OraclePredictor(trace.output_tokens))
     states = recorder.states
     if len(states) > wanted:
@@ -64,16 +72,24 @@ def sample_states(workers: int, batch: int, horizon: int, seed: int, wanted: int
     return states, trace.prompt_tokens
 
 
-def bench_router(workers: int = 8, rmax: int = 4, pool: int = 256, batch: int = 64,
+def bench_router(workers: int = 8, rmax: int | None = None, pool: int = 256, batch: int = 64,
                  horizon: int = 80, rounds: int = 2000, seed: int = 0) -> dict:
+    """Time rounds of the default path, the pure-Python/numpy reference (``reference=True``)
+    and, for BR-H, the paper's form, interleaved on the same states. ``horizon=0``: BR-0."""
     states, prompts = sample_states(workers, batch, horizon, seed, rounds)
     if not states:
         raise RuntimeError("the simulated run never filled the fleet; no states to time")
-    params = BalanceRouteParams(horizon=horizon, r_max=rmax)
-    paper = BalanceRouteParams.paper(horizon=horizon, r_max=rmax)
+    if horizon:
+        params = BalanceRouteParams(horizon=horizon, r_max=rmax)
+        paper: BalanceRouteParams | None = BalanceRouteParams.paper(horizon=horizon, r_max=rmax)
+    else:
+        params, paper = BalanceRouteParams.br0(r_max=rmax), None
     rng = np.random.default_rng(seed)
-    times: list[float] = []
-    paper_times: list[float] = []
+    # The sampling run leaves a large heap; freeze it so that cyclic GC passes during the timed
+    # rounds do not walk it (a router process does the same after start-up, as the service).
+    gc.collect()
+    gc.freeze()
+    times: dict[str, list[float]] = {"fast": [], "reference": [], "paper": []}
     stage2: list[float] = []
     admitted: list[int] = []
     for index in range(rounds):
@@ -82,25 +98,37 @@ def bench_router(workers: int = 8, rmax: int = 4, pool: int = 256, batch: int = 
         waiting = own_pool[:pool] + [
             WaitingRequest(f"pad-{k}", int(s)) for k, s in enumerate(padding)
         ]
+        if paper is not None:
+            started = perf_counter()
+            route_round(fleet, waiting, paper)  # the paper's form, timed in the same run
+            times["paper"].append(perf_counter() - started)
         started = perf_counter()
-        route_round(fleet, waiting, paper)  # the paper's form, timed in the same run
-        paper_times.append(perf_counter() - started)
+        reference, _ = route_round(fleet, waiting, params, reference=True)
+        times["reference"].append(perf_counter() - started)
         started = perf_counter()
         assignments, stats = route_round(fleet, waiting, params)
-        times.append(perf_counter() - started)
+        times["fast"].append(perf_counter() - started)
+        if assignments != reference:
+            raise RuntimeError("the fast path and the reference decided differently")
         stage2.append(stats.extra.get("stage2_s", 0.0))
         admitted.append(len(assignments))
-    ms = np.asarray(times) * 1000.0
-    paper_ms = np.asarray(paper_times) * 1000.0
+    gc.unfreeze()
     return {
-        "paper_form_p50_ms": round(float(np.percentile(paper_ms, 50)), 4),
-        "paper_form_p99_ms": round(float(np.percentile(paper_ms, 99)), 4),
-        "workers": workers, "rmax": rmax, "pool": pool, "rounds": rounds,
-        "p50_ms": round(float(np.percentile(ms, 50)), 4),
-        "p99_ms": round(float(np.percentile(ms, 99)), 4),
-        "mean_ms": round(float(ms.mean()), 4),
-        "stage2_share": round(float(np.sum(stage2) / np.sum(times)), 4),
+        "policy": "brh-oracle" if horizon else "br0",
+        "workers": workers, "rmax": params.effective_r_max(workers), "pool": pool,
+        "rounds": rounds,
+        **_percentiles("", times["fast"]),
+        **_percentiles("reference_", times["reference"]),
+        **(_percentiles("paper_form_", times["paper"]) if times["paper"] else {}),
+        "stage2_share": round(float(np.sum(stage2) / np.sum(times["fast"])), 4),
         "batch": batch, "horizon": horizon, "distinct_states": len(states),
         "mean_admitted_per_round": round(float(np.mean(admitted)), 3),
         "python": platform.python_version(),
     }
+
+
+def _percentiles(prefix: str, seconds: list[float]) -> dict[str, float]:
+    ms = np.asarray(seconds) * 1000.0
+    return {f"{prefix}p50_ms": round(float(np.percentile(ms, 50)), 4),
+            f"{prefix}p99_ms": round(float(np.percentile(ms, 99)), 4),
+            f"{prefix}mean_ms": round(float(ms.mean()), 4)}

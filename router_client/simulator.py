@@ -156,8 +156,8 @@ class Engine:
         return self.request >= 0
 
     def loads(self, active: np.ndarray) -> np.ndarray:
-        return np.bincount(self.worker[active], weights=self.size[active],
-                           minlength=self.workers)
+        per_slot = np.where(active, self.size, 0).reshape(self.workers, self.batch)
+        return per_slot.sum(axis=1).astype(np.float64)
 
     def view(self) -> FleetView:
         idx = np.flatnonzero(self.active)
@@ -193,10 +193,10 @@ class Engine:
 
         Returns the ids that produced their first token and the ids that finished."""
         self.clock += self.step_cost[0] * top + self.step_cost[1]
-        started = self.request[active & (self.generated == 0)]
-        self.generated[active] += 1
-        self.size[active] += 1
-        done = active & (self.generated >= self.output)
+        started = self.request[np.flatnonzero(active & (self.generated == 0))]
+        self.generated += active  # +1 where active (whole-array adds, no masked indexing)
+        self.size += active
+        done = np.flatnonzero(active & (self.generated >= self.output))
         finished = self.request[done]
         self.request[done] = -1
         return started, finished
@@ -330,7 +330,7 @@ class Simulation:
         if self.cache.due(self.step):
             self._refresh()
         active = self.engine.active
-        if self.pool and int(active.sum()) < self.engine.request.size:
+        if self.pool and not active.all():
             self._route()
             active = self.engine.active
         if not active.any():

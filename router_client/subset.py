@@ -29,14 +29,19 @@ class SubsetChoice:
     score: float
 
 
-def reachable_tables(sizes: Sequence[int], max_count: int) -> list[list[int]]:
-    """``tables[i][j]``: bitset of sums of exactly j among the first i candidates."""
+def reachable_tables(sizes: Sequence[int], max_count: int,
+                     limit: int | None = None) -> list[list[int]]:
+    """``tables[i][j]``: bitset of sums of exactly j among the first i candidates (sums up to
+    ``limit`` only, when given)."""
+    mask = None if limit is None else (1 << (limit + 1)) - 1
     row = [1] + [0] * max_count
     tables = [row]
     for s in sizes:
         row = list(row)
         for j in range(max_count, 0, -1):
             row[j] |= row[j - 1] << s
+            if mask is not None:
+                row[j] &= mask
         tables.append(row)
     return tables
 
@@ -74,17 +79,25 @@ def best_subset(
     max_count: int,
     score: Callable[[np.ndarray], np.ndarray],
     peak: float,
+    truncate: bool = False,
 ) -> SubsetChoice | None:
     """The non-empty subset of at most ``max_count`` candidates that maximizes a concave F.
 
     ``score`` maps an array of totals D to F; ``peak`` is where F stops increasing. Ties go to
     the smaller total (less risk of overflowing). Returns ``None`` if there is no candidate.
+
+    ``truncate`` (finite ``peak``) keeps sums up to ``floor(peak) + max(sizes)`` only: the
+    smallest reachable sum above the peak is never beyond that (drop any one member of a
+    minimal such subset and the sum is at most the peak), and the bits below it are all the
+    choice and the recovery read, so the answer is the same with far shorter bitsets.
     """
     max_count = min(max_count, len(sizes))
     if max_count <= 0:
         return None
     sizes = [int(s) for s in sizes]
-    tables = reachable_tables(sizes, max_count)
+    cap = (int(np.floor(peak)) + max(sizes) if truncate and np.isfinite(peak) and peak >= 0
+           else None)
+    tables = reachable_tables(sizes, max_count, cap)
     final = tables[-1]
     union = 0
     for j in range(1, max_count + 1):

@@ -45,6 +45,8 @@ def test_best_subset_equals_brute_force(sizes, max_count, horizon, beta, gamma, 
         assert choice.total == sum(sizes[i] for i in choice.indices)
         assert abs(choice.score - float(score(np.array([choice.total]))[0])) < 1e-6
         assert abs(choice.score - want) <= 1e-6 * max(1.0, abs(want))
+        # bitsets cut past peak + max size: the very same choice
+        assert best_subset(sizes, max_count, score, table.peak(worker), truncate=True) == choice
 
 
 @given(sizes=st.lists(st.integers(0, 50), min_size=0, max_size=8), max_count=st.integers(0, 8))

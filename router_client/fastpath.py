@@ -1,0 +1,240 @@
+"""BR-0's Stage 1 without a pass over the pool per admission (the fast path).
+
+At ``H = 0`` a worker's score is ``F(D) = D - G * max(0, D - m)`` with ``m`` its margin: it
+rises with slope 1 up to ``m`` and falls with slope ``1 - G`` after (G > 1). Its maximum over
+the candidates is therefore at one of two sizes: the largest ``D <= m`` or the smallest
+``D > m``. With the Stage-1 window kept sorted by ``(size, pool index)`` both are a binary
+search away, and the earliest request of a size is the first entry of its run, which is the
+reference's tie rule (``argmax``: the first maximum in arrival order).
+
+- ``paper`` rule: the worker with the most free slots (ties: lower load, lower index) comes
+  off a heap keyed exactly like the reference's ``lexsort``; only the admitting worker's key
+  changes, so it is pushed back and nothing else moves.
+- ``best-pair`` rule: every open worker's best request is found at once with
+  ``numpy.searchsorted`` over the sorted window (vectorized across workers), then the pair is
+  chosen with the reference's key ``(-F, load, worker, request)``.
+
+The arithmetic is the reference's (:meth:`router_client.fscore.MarginTable.score` at H = 0:
+``F = D`` below the margin, ``D - G * (D - m)`` above), in float64 on integer-valued loads and
+sizes, so every comparison, ties included, comes out the same. The path applies only where
+that holds (:func:`applies`); anything else (BR-H, G = 1, non-integer loads) runs the
+reference. Stage 2 (:func:`stage2_br0`) is the reference's loop on scalar state; the subset
+choice itself is the exact bitset search of :mod:`router_client.subset` in every case.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left, bisect_right, insort
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+
+from .subset import SubsetChoice, best_subset
+
+EXACT_LIMIT = float(2**40)  # integer-valued floats below this add and multiply by G exactly
+
+
+def applies(horizon: int, rows: object, loads: np.ndarray, sizes: np.ndarray) -> bool:
+    """Whether the fast path reproduces the reference exactly for this round."""
+    if horizon != 0 or rows is not None or loads.shape[0] < 2:
+        return False
+    for values in (loads, sizes):
+        if values.size and (not np.all(np.abs(values) < EXACT_LIMIT)
+                            or not np.all(values == np.floor(values))):
+            return False
+    return True
+
+
+@dataclass
+class Window:
+    """The first ``limit`` still-waiting requests, sorted by ``(size, pool index)``.
+
+    Requests only leave (admitted); each departure lets the next waiting request in, as the
+    reference's ``waiting[:limit]`` does.
+    """
+
+    sizes: np.ndarray
+    order: list[int]  # every waiting pool index, arrival order
+    limit: int
+    keys: list[tuple[float, int]] = field(default_factory=list)
+    next_in: int = 0
+    taken: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.next_in = min(self.limit, len(self.order))
+        head = np.asarray(self.order[: self.next_in], dtype=np.int64)
+        sizes = self.sizes[head]
+        ranked = np.lexsort((head, sizes))
+        self.keys = list(zip(sizes[ranked].tolist(), head[ranked].tolist(), strict=True))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def best(self, margin: float, beta: float) -> tuple[float, int]:
+        """``(F, pool index)`` of the best request for a worker with this margin."""
+        keys = self.keys
+        j = bisect_right(keys, (margin, float("inf")))
+        options: list[tuple[float, int]] = []
+        if j > 0:
+            size = keys[j - 1][0]
+            low = keys[bisect_left(keys, (size, -1))]
+            options.append((size, low[1]))
+        if j < len(keys):
+            size, index = keys[j]
+            options.append((size - beta * (size - margin), index))
+        return max(options, key=lambda option: (option[0], -option[1]))
+
+    def remove(self, size: float, index: int) -> None:
+        del self.keys[bisect_left(self.keys, (size, index))]
+        self.taken.add(index)
+        if self.next_in < len(self.order):
+            entering = self.order[self.next_in]
+            self.next_in += 1
+            insort(self.keys, (float(self.sizes[entering]), entering))
+
+    def still_waiting(self) -> list[int]:
+        head = self.next_in  # everything taken entered the window, which is a prefix
+        return [i for i in self.order[:head] if i not in self.taken] + self.order[head:]
+
+
+@dataclass
+class Stage1Result:
+    """What the fast Stage 1 did: admissions ``(pool index, worker)`` and the new loads."""
+
+    admitted: list[tuple[int, int]]
+    loads: np.ndarray
+    free: np.ndarray
+    waiting: list[int]
+
+
+def stage1_paper(loads: np.ndarray, free: np.ndarray, window: Window, beta: float,
+                 threshold: int) -> Stage1Result:
+    """The paper's rule while the free slots exceed ``threshold``."""
+    load = loads.astype(np.float64).tolist()
+    slots = free.astype(np.int64).tolist()
+    envelope = max(load)
+    total = sum(slots)
+    heap = [(-slots[g], load[g], g) for g in range(len(load))]
+    heapq.heapify(heap)
+    admitted: list[tuple[int, int]] = []
+    while len(window) and total > threshold:
+        _, _, worker = heapq.heappop(heap)
+        _, index = window.best(envelope - load[worker], beta)
+        size = float(window.sizes[index])
+        window.remove(size, index)
+        load[worker] += size
+        envelope = max(envelope, load[worker])
+        slots[worker] -= 1
+        total -= 1
+        admitted.append((index, worker))
+        heapq.heappush(heap, (-slots[worker], load[worker], worker))
+    return Stage1Result(admitted, np.asarray(load), np.asarray(slots, dtype=np.int64),
+                        window.still_waiting())
+
+
+def stage1_best_pair(loads: np.ndarray, free: np.ndarray, window: Window, beta: float,
+                     threshold: int) -> Stage1Result:
+    """The best-pair rule while the free slots exceed ``threshold``, workers in one pass."""
+    load = loads.astype(np.float64).copy()
+    slots = free.astype(np.int64).copy()
+    admitted: list[tuple[int, int]] = []
+    while len(window) and int(slots.sum()) > threshold:
+        sizes = np.fromiter((k[0] for k in window.keys), dtype=np.float64, count=len(window))
+        indices = np.fromiter((k[1] for k in window.keys), dtype=np.int64, count=len(window))
+        open_workers = np.flatnonzero(slots > 0)
+        score, index = best_per_worker(sizes, indices, load.max() - load[open_workers], beta)
+        pick = np.lexsort((index, open_workers, load[open_workers], -score))[0]
+        worker, chosen = int(open_workers[pick]), int(index[pick])
+        size = float(window.sizes[chosen])
+        window.remove(size, chosen)
+        load[worker] += size
+        slots[worker] -= 1
+        admitted.append((chosen, worker))
+    return Stage1Result(admitted, load, slots, window.still_waiting())
+
+
+def best_per_worker(sizes: np.ndarray, indices: np.ndarray, margins: np.ndarray, beta: float
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Each margin's best ``(F, pool index)`` over a window sorted by ``(size, index)``."""
+    n = sizes.size
+    j = np.searchsorted(sizes, margins, side="right")  # first size above the margin
+    has_low, has_high = j > 0, j < n
+    low_size = sizes[np.maximum(j - 1, 0)]
+    low_pos = np.searchsorted(sizes, low_size, side="left")  # earliest of that size
+    low_score = np.where(has_low, low_size, -np.inf)
+    low_index = indices[low_pos]
+    high_size = sizes[np.minimum(j, n - 1)]
+    high_score = np.where(has_high, high_size - beta * (high_size - margins), -np.inf)
+    high_index = indices[np.minimum(j, n - 1)]
+    take_high = (high_score > low_score) | ((high_score == low_score) & (high_index < low_index))
+    return (np.where(take_high, high_score, low_score),
+            np.where(take_high, high_index, low_index))
+
+
+def br0_scores(totals: np.ndarray, margin: float, beta: float) -> np.ndarray:
+    """:meth:`MarginTable.score` at H = 0 with the same arithmetic: ``D`` up to the margin,
+    ``D - beta * (D - m)`` above it."""
+    totals = np.asarray(totals, dtype=np.float64)
+    return np.where(totals > margin, totals - beta * (totals - margin), totals)
+
+
+@dataclass
+class Stage2Result:
+    """Stage 2's admissions ``(pool index, worker, starvation guard)`` and the waiting list."""
+
+    admitted: list[tuple[int, int, bool]]
+    waiting: list[int]
+
+
+def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: list[int],
+               r_max: int, beta: float) -> Stage2Result:
+    """The reference's Stage 2 at H = 0 on scalar state: workers by (most free slots, widest
+    margin, index), each the exact best subset of the first ``r_max`` waiting requests
+    (:func:`router_client.subset.best_subset`, peak at the margin), starvation guard alike."""
+    load = loads.astype(np.float64).tolist()
+    envelope = max(load)
+    slots = free.tolist()
+    order = sorted((-slots[g], -(envelope - load[g]), g) for g in np.flatnonzero(free > 0).tolist())
+    admitted: list[tuple[int, int, bool]] = []
+    for _, _, worker in order:
+        if not waiting:
+            break
+        candidates = waiting[:r_max]
+        margin = envelope - load[worker]
+        score = partial(br0_scores, margin=margin, beta=beta)
+        totals = [int(sizes[i]) for i in candidates]
+        if min(slots[worker], len(candidates)) == 1:
+            choice: SubsetChoice | None = best_single(totals, margin, beta)
+        else:
+            choice = best_subset(totals, slots[worker], score, margin, truncate=True)
+        if choice is None:
+            continue
+        if choice.score > 0:
+            picked = [candidates[k] for k in choice.indices]
+            guard = False
+        else:  # starvation guard: the single best request, even at F <= 0
+            picked = [candidates[int(np.argmax(score(sizes[candidates])))]]
+            guard = True
+        for index in picked:
+            load[worker] += float(sizes[index])
+            envelope = max(envelope, load[worker])
+            admitted.append((index, worker, guard))
+        taken = set(picked)
+        waiting = [i for i in candidates if i not in taken] + waiting[len(candidates):]
+    return Stage2Result(admitted, waiting)
+
+
+def best_single(totals: list[int], margin: float, beta: float) -> SubsetChoice:
+    """:func:`router_client.subset.best_subset` with room for one request, without bitsets:
+    the largest size up to ``floor(margin)`` or the smallest above it, the higher F (ties: the
+    smaller size), the earliest candidate of that size (what its recovery returns)."""
+    limit = int(np.floor(margin))
+    below = [t for t in totals if t <= limit]
+    above = [t for t in totals if t > limit]
+    options = ([max(below)] if below else []) + ([min(above)] if above else [])
+    values = br0_scores(np.asarray(options, dtype=np.float64), margin, beta)
+    best = min(range(len(options)), key=lambda k: (-float(values[k]), options[k]))
+    total = options[best]
+    return SubsetChoice((totals.index(total),), total, float(values[best]))

@@ -1,0 +1,67 @@
+"""BR-0's fast Stage 1 (router_client.fastpath) makes exactly the reference's decisions."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router_client import admission
+from router_client.admission import BalanceRouteParams, route_round
+from router_client.fleet import FleetView, WaitingRequest
+from router_client.policies import make_policy
+from router_client.simulator import SimConfig, simulate
+from router_client.synth import synthesize
+
+
+def fleet_and_pool(seed, workers, capacity, pool_size, size_range):
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, capacity + 1, workers)
+    worker = np.repeat(np.arange(workers), counts)
+    size = rng.integers(1, size_range, worker.size).astype(float)
+    fleet = FleetView.from_active(workers, capacity, worker, size, None)
+    pool = [WaitingRequest(i, int(s)) for i, s in enumerate(rng.integers(0, size_range,
+                                                                         pool_size))]
+    return fleet, pool
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), workers=st.integers(1, 12), capacity=st.integers(1, 12),
+       pool_size=st.integers(0, 60), size_range=st.sampled_from([3, 20, 6000]),
+       stage1=st.sampled_from(["auto", "paper", "best-pair"]), s_greedy=st.integers(0, 8),
+       candidates=st.sampled_from([1, 3, 1024]), r_max=st.integers(1, 6))
+def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_size,
+                                                 size_range, stage1, s_greedy, candidates,
+                                                 r_max):
+    # small size ranges force ties in F, in load and in size
+    fleet, pool = fleet_and_pool(seed, workers, capacity, pool_size, size_range)
+    params = BalanceRouteParams.br0(stage1=stage1, s_greedy=s_greedy,
+                                    stage1_candidates=candidates, r_max=r_max)
+    want, want_stats = route_round(fleet, pool, params, reference=True)
+    got, got_stats = route_round(fleet, pool, params, reference=False)
+    assert got == want
+    assert got_stats.stage1_admissions == want_stats.stage1_admissions
+    assert got_stats.starvation_guard_admissions == want_stats.starvation_guard_admissions
+
+
+@pytest.mark.parametrize(("load", "workers"), [("backlog", 4), (0.8, 8), (1.0, 3)])
+def test_ab_rows_unchanged_by_the_fast_path(monkeypatch, load, workers):
+    trace = synthesize("synth:long:n=600,seed=3")
+    config = SimConfig(workers=workers, batch=8, load=load, seed=1)
+    fast = simulate(trace, make_policy("br0"), config).row
+    monkeypatch.setattr(admission, "FAST_PATH", False)
+    slow = simulate(trace, make_policy("br0"), config).row
+    fast.pop("sim_wall_s")
+    slow.pop("sim_wall_s")
+    assert fast == slow
+
+
+@pytest.mark.parametrize("stage1", ["paper", "best-pair"])
+@pytest.mark.parametrize("sizes", [[12, 8, 8, 12], [8, 12, 12, 8], [9, 9, 7, 13]])
+def test_fast_stage1_breaks_ties_between_the_two_sides_like_the_reference(stage1, sizes):
+    # worker 0: load 0, margin 10; F(8) = 8 = F(12) = 12 - 2 * (12 - 10)
+    fleet = FleetView.from_active(2, 4, np.array([1]), np.array([10.0]), None)
+    pool = [WaitingRequest(i, s) for i, s in enumerate(sizes)]
+    params = BalanceRouteParams.br0(stage1=stage1, s_greedy=0)
+    want, _ = route_round(fleet, pool, params, reference=True)
+    assert route_round(fleet, pool, params, reference=False)[0] == want
+    assert want[0].pool_index == 0

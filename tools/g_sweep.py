@@ -1,0 +1,98 @@
+"""G sweep with per-worker load fixed: throughput over least-token-load and share of the
+balanced bound by G, for BR-0 (default parameters); one JSON line per run, then a PNG.
+
+    python tools/g_sweep.py --trace synth:long --workers 4,8,16,32,64,128 \
+        --per-worker 150 --json out.jsonl --png docs/g-sweep.png
+
+``synth:*`` traces are synthesized with ``per-worker * G`` requests; a file trace is replayed
+whole at every G (load 1.0 rescales its arrivals to the fleet). ``--plot-only`` redraws.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from router_client.policies import make_policy  # noqa: E402
+from router_client.simulator import SimConfig, simulate  # noqa: E402
+from router_client.synth import synthesize  # noqa: E402
+from router_client.traces import load_trace  # noqa: E402
+
+
+def run(args: argparse.Namespace) -> None:
+    for g in (int(w) for w in args.workers.split(",")):
+        if args.trace.startswith("synth:"):
+            trace = synthesize(f"{args.trace}:n={args.per_worker * g},seed={args.seed}")
+        else:
+            trace = load_trace(args.trace, "auto", None)
+        load: float | str = args.load if args.load == "backlog" else float(args.load)
+        config = SimConfig(workers=g, batch=args.batch, load=load, seed=args.seed)
+        for name in ("ltl", "br0"):
+            started = time.time()
+            row = simulate(trace, make_policy(name, args.seed), config).row
+            row.update(trace=args.trace, load=str(load), wall_s=round(time.time() - started, 1))
+            with args.json.open("a") as out:
+                out.write(json.dumps(row) + "\n")
+            print(g, name, row["throughput_tok_s"], row["balanced_bound_tok_s"], row["wall_s"],
+                  flush=True)
+
+
+def plot(paths: list[Path], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for color, path in zip(("tab:blue", "tab:orange", "tab:green"), paths, strict=False):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+        ltl = {r["workers"]: r for r in rows if r["policy"] == "ltl"}
+        br0 = sorted((r for r in rows if r["policy"] == "br0" and r["workers"] in ltl),
+                     key=lambda r: r["workers"])
+        gs = [r["workers"] for r in br0]
+        label = rows[0]["trace"].split("/")[-1]
+        left.plot(gs, [r["throughput_tok_s"] / ltl[r["workers"]]["throughput_tok_s"]
+                       for r in br0], marker="o", color=color, label=f"BR-0, {label}")
+        right.plot(gs, [r["throughput_tok_s"] / r["balanced_bound_tok_s"] for r in br0],
+                   marker="o", color=color, label=f"BR-0, {label}")
+        right.plot(gs, [ltl[g]["throughput_tok_s"] / ltl[g]["balanced_bound_tok_s"] for g in gs],
+                   marker="x", linestyle="--", color=color,
+                   label=f"least-token-load, {label}")
+    for axis, title in ((left, "throughput / least-token-load"),
+                        (right, "share of the balanced bound")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("G (workers), per-worker load fixed (load 1.0, B = 64)")
+        axis.set_title(title)
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trace", default="synth:long")
+    ap.add_argument("--workers", default="4,8,16,32,64")
+    ap.add_argument("--per-worker", type=int, default=150)
+    ap.add_argument("--load", default="1.0")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, action="append", required=True)
+    ap.add_argument("--png", type=Path, default=None)
+    ap.add_argument("--plot-only", action="store_true")
+    args = ap.parse_args()
+    if not args.plot_only:
+        args.json = args.json[0]
+        run(args)
+        args.json = [args.json]
+    if args.png:
+        plot(args.json, args.png)
+
+
+if __name__ == "__main__":
+    main()

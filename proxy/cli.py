@@ -10,11 +10,14 @@ import argparse
 import asyncio
 import json
 import math
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from router_client.errors import ParameterError
 from router_client.simulator import DEFAULT_STEP_COST, parse_step_cost
+
+T = TypeVar("T")
 
 
 def _urls(text: str) -> list[str]:
@@ -64,6 +67,9 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
                        help="seconds a request may wait for a decode slot (default 60)")
     proxy.add_argument("--engine-timeout", type=float, default=120.0,
                        help="seconds without a byte from a rank before the stream fails")
+    proxy.add_argument("--connect-timeout", type=_positive_float, default=10.0,
+                       help="seconds to open a connection to a rank before it is marked down "
+                       "(default 10: a busy host accepts late, a dead one refuses at once)")
     proxy.add_argument("--prefill-kv-budget", type=int, default=2_000_000,
                        help="KV tokens one prefill instance may hold for pending hand-offs")
     proxy.set_defaults(handler=cmd_proxy)
@@ -104,6 +110,16 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     serve.set_defaults(handler=cmd_bench_serve)
 
 
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on uvloop where it is installed (it is a dependency off Windows)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - Windows
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
 def cmd_proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -113,6 +129,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                          predictor_url=args.predictor_url, batch=args.batch, bypass=args.bypass,
                          pool_max=args.pool_max, pool_ttl_s=args.pool_ttl,
                          engine_timeout_s=args.engine_timeout,
+                         connect_timeout_s=args.connect_timeout,
                          prefill_kv_budget=args.prefill_kv_budget)
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="warning",
                 access_log=False, timeout_keep_alive=30, backlog=4096)
@@ -126,7 +143,7 @@ def cmd_emulate(args: argparse.Namespace) -> int:
                             time_scale=args.time_scale, seed=args.seed,
                             mean_output=args.mean_output, prefill_workers=args.prefill_workers)
     try:
-        asyncio.run(serve(config, args.host, args.port))
+        run_async(serve(config, args.host, args.port))
     except KeyboardInterrupt:
         pass
     return 0
@@ -144,7 +161,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                         seed=args.seed, model=args.model)
     if args.rate is None and args.load is None and trace.arrival_s is None:
         config = LoadConfig(**{**config.__dict__, "rate": math.inf})
-    summary, _ = asyncio.run(run(trace, config))
+    summary, _ = run_async(run(trace, config))
     print(format_summary(summary))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -109,6 +109,22 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     serve.add_argument("--json", type=Path, default=None)
     serve.set_defaults(handler=cmd_bench_serve)
 
+    fleet = bench_sub.add_parser(
+        "proxy-ab", help="policies through the proxy and the emulator vs balanceroute ab")
+    fleet.add_argument("--trace", required=True, help="trace file or synth:NAME")
+    fleet.add_argument("--format", default="auto")
+    fleet.add_argument("--requests", type=int, default=600, help="the first N (default 600)")
+    fleet.add_argument("--workers", type=int, default=8, help="G decode ranks (default 8)")
+    fleet.add_argument("--batch", type=int, default=16, help="B slots per rank (default 16)")
+    fleet.add_argument("--step-cost", type=_step_cost, default=DEFAULT_STEP_COST, help=cost)
+    fleet.add_argument("--time-scale", type=_positive_float, default=0.25,
+                       help="the emulator's speed-up over the cost model (default 0.25)")
+    fleet.add_argument("--policies", default="br0,jsq,rr",
+                       help="proxy policies, the first is the reference (default br0,jsq,rr)")
+    fleet.add_argument("--seed", type=int, default=0)
+    fleet.add_argument("--json", type=Path, default=None)
+    fleet.set_defaults(handler=cmd_bench_proxy_ab)
+
 
 def run_async(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on uvloop where it is installed (it is a dependency off Windows)."""
@@ -167,3 +183,23 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2))
     return 0 if summary["failed"] == 0 else 1
+
+
+def cmd_bench_proxy_ab(args: argparse.Namespace) -> int:
+    from router_client.traces import load_trace
+
+    from .fleetbench import FleetBenchConfig, compare, format_rows
+
+    trace = load_trace(args.trace, args.format, args.requests)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    config = FleetBenchConfig(workers=args.workers, batch=args.batch, step_cost=args.step_cost,
+                              time_scale=args.time_scale, seed=args.seed)
+    rows = compare(trace, policies, config)
+    print(f"trace {args.trace}: {len(trace)} requests, G={args.workers}, B={args.batch}, "
+          f"backlog (closed loop of G*B + 4G), step cost {args.step_cost[0]:g}*max_load + "
+          f"{args.step_cost[1]:g} s; proxy columns from the emulator's step log")
+    print(format_rows(rows))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["failed"] == 0 for r in rows) else 1

@@ -86,6 +86,7 @@ class ProxyConfig:
     reconcile_interval_s: float = 5.0
     prefill_kv_budget: int = 2_000_000
     retries: int = 1
+    step_s: float | None = None  # the fleet's decode step: one routing round per step at most
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -190,7 +191,9 @@ class Proxy:
             policy=self.policy if baseline else None,
             wrap=None if baseline else self.policy.around)
         self.dispatcher = Dispatcher(self.client, self.pending, self.metrics, self.policy,
-                                     self.engines.up)
+                                     self.engines.up,
+                                     round_interval_s=config.step_s or 0.01,
+                                     min_round_s=config.step_s or 0.0)
         self.prefills = (EngineSet(config.prefill, self.http, self.metrics, self._wake,
                                    config.probe_interval_s, kind="prefill")
                          if config.prefill else None)

@@ -67,6 +67,10 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
                        help="seconds a request may wait for a decode slot (default 60)")
     proxy.add_argument("--engine-timeout", type=float, default=120.0,
                        help="seconds without a byte from a rank before the stream fails")
+    proxy.add_argument("--step-ms", type=_positive_float, default=None,
+                       help="the ranks' decode step in ms: routing rounds at most once per "
+                       "step, as the router's step counters assume (default: every event, and "
+                       "every 10 ms while requests wait)")
     proxy.add_argument("--connect-timeout", type=_positive_float, default=10.0,
                        help="seconds to open a connection to a rank before it is marked down "
                        "(default 10: a busy host accepts late, a dead one refuses at once)")
@@ -125,6 +129,21 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     fleet.add_argument("--json", type=Path, default=None)
     fleet.set_defaults(handler=cmd_bench_proxy_ab)
 
+    over = bench_sub.add_parser(
+        "proxy-overhead", help="bench serve against one emulated rank, directly and proxied")
+    over.add_argument("--trace", default="synth:long:n=400,output_mean=64,output_sigma=0.3,"
+                      "prompt_mean=500", help="trace file or synth:NAME")
+    over.add_argument("--format", default="auto")
+    over.add_argument("--requests", type=int, default=None)
+    over.add_argument("--rate", type=_positive_float, default=10.0,
+                      help="Poisson arrivals per second (default 10)")
+    over.add_argument("--batch", type=int, default=64)
+    over.add_argument("--step-cost", type=_step_cost, default=DEFAULT_STEP_COST, help=cost)
+    over.add_argument("--time-scale", type=_positive_float, default=1.0)
+    over.add_argument("--seed", type=int, default=0)
+    over.add_argument("--json", type=Path, default=None)
+    over.set_defaults(handler=cmd_bench_proxy_overhead)
+
 
 def run_async(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on uvloop where it is installed (it is a dependency off Windows)."""
@@ -146,6 +165,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                          pool_max=args.pool_max, pool_ttl_s=args.pool_ttl,
                          engine_timeout_s=args.engine_timeout,
                          connect_timeout_s=args.connect_timeout,
+                         step_s=args.step_ms / 1000 if args.step_ms else None,
                          prefill_kv_budget=args.prefill_kv_budget)
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="warning",
                 access_log=False, timeout_keep_alive=30, backlog=4096)
@@ -203,3 +223,21 @@ def cmd_bench_proxy_ab(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))
     return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def cmd_bench_proxy_overhead(args: argparse.Namespace) -> int:
+    from router_client.traces import load_trace
+
+    from .fleetbench import FleetBenchConfig, format_overhead, overhead
+
+    trace = load_trace(args.trace, args.format, args.requests)
+    config = FleetBenchConfig(workers=1, batch=args.batch, step_cost=args.step_cost,
+                              time_scale=args.time_scale, seed=args.seed)
+    result = overhead(trace, args.rate, config)
+    print(f"trace {args.trace}: {len(trace)} requests at {args.rate:g}/s against one emulated "
+          f"rank (B={args.batch}), directly and through the proxy")
+    print(format_overhead(result))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0 if result["direct"]["failed"] == 0 and result["proxy"]["failed"] == 0 else 1

@@ -117,8 +117,17 @@ def step_log_summary(steps: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def step_wall_s(trace: Trace, config: FleetBenchConfig) -> float:
+    """The emulator's decode step at a full batch (mean prompt, half the mean output), in wall
+    seconds: the proxy's ``--step-ms``, so that it routes once per step as ``ab`` does."""
+    a, b = config.step_cost
+    per_rank = config.batch * (float(np.mean(trace.prompt_tokens))
+                               + float(np.mean(trace.output_tokens)) / 2)
+    return (a * per_rank + b) / config.time_scale
+
+
 def run_policy(trace: Trace, policy: str, config: FleetBenchConfig, workdir: str,
-               ) -> dict[str, Any]:
+               extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """One policy through real HTTP: emulator and proxy started for it, trace replayed."""
     G, B = config.workers, config.batch
     base = _free_base(G)
@@ -129,7 +138,8 @@ def run_policy(trace: Trace, policy: str, config: FleetBenchConfig, workdir: str
     ranks = ",".join(f"http://127.0.0.1:{base + g}" for g in range(G))
     port = _free_base(1)
     proxy = ["proxy", "--decode", ranks, "--port", str(port), "--policy", policy,
-             "--batch", str(B), "--pool-ttl", "3600", "--engine-timeout", "600"]
+             "--batch", str(B), "--pool-ttl", "3600", "--engine-timeout", "600",
+             "--step-ms", f"{1000 * step_wall_s(trace, config):.3f}", *extra]
     url = f"http://127.0.0.1:{port}"
     with spawned(emulate, f"http://127.0.0.1:{base}/health",
                  os.path.join(workdir, f"emulate-{policy}.log")), \
@@ -139,10 +149,14 @@ def run_policy(trace: Trace, policy: str, config: FleetBenchConfig, workdir: str
         summary, _ = asyncio.run(run(trace, load))
         steps = httpx.get(f"http://127.0.0.1:{base}/emulator/steps", timeout=60.0).json()
         state = httpx.get(url + "/proxy/state", timeout=10.0).json()
+        metrics = httpx.get(url + "/metrics", timeout=10.0).text
+    router_s, rounds = _histogram_sum_count(metrics, "balanceroute_proxy_router_seconds")
     row = {"policy": policy, **step_log_summary(steps["steps"]),
+           "router_rounds": rounds, "router_ms_mean": 1000 * router_s / rounds if rounds else 0.0,
+           "fallback_rounds": state["fallback_rounds"], "brh_active": state["brh_active"],
            "completed": summary["completed"], "failed": summary["failed"],
            "wall_s": summary["duration_s"], "wall_tok_s": summary["output_throughput"],
-           "invariants": state["invariants"]}
+           "invariants": state["invariants"], "errors": summary["errors"]}
     return row
 
 
@@ -190,4 +204,90 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             f"{r['imbalance_maxmin_mean']:8.0f} {r['ab_throughput_tok_s']:9.0f} "
             f"{r['ab_ratio']:7.4f} {r['ab_imbalance_maxmin_mean']:8.0f} "
             f"{100 * r['agreement']:+10.2f}% {r['failed']:6d} {r['wall_s']:6.0f}")
+    return "\n".join(lines)
+
+
+def _histogram_sum_count(text: str, name: str) -> tuple[float, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{name}_sum":
+                total += sample.value
+            elif sample.name == f"{name}_count":
+                count += sample.value
+    return total, count
+
+
+def overhead(trace: Trace, rate: float, config: FleetBenchConfig) -> dict[str, Any]:
+    """The same requests against one emulated rank directly, then through the proxy."""
+    base = _free_base(1)
+    a, b = config.step_cost
+    rank = f"http://127.0.0.1:{base}"
+    emulate = ["emulate", "--workers", "1", "--port", str(base), "--batch", str(config.batch),
+               "--step-cost", f"{a!r},{b!r}", "--time-scale", str(config.time_scale)]
+    port = _free_base(1)
+    url = f"http://127.0.0.1:{port}"
+    load = LoadConfig(url=rank, rate=rate, seed=config.seed)
+    with tempfile.TemporaryDirectory(prefix="proxy-overhead-") as workdir, \
+            spawned(emulate, rank + "/health", os.path.join(workdir, "emulate.log")):
+        direct, _ = asyncio.run(run(trace, load))
+        proxy = ["proxy", "--decode", rank, "--port", str(port), "--policy", "br0",
+                 "--batch", str(config.batch)]
+        with spawned(proxy, url + "/healthz", os.path.join(workdir, "proxy.log")):
+            proxied, _ = asyncio.run(run(trace, LoadConfig(**{**load.__dict__, "url": url})))
+            metrics = httpx.get(url + "/metrics", timeout=10.0).text
+    router_s, rounds = _histogram_sum_count(metrics, "balanceroute_proxy_router_seconds")
+    wait_s, waits = _histogram_sum_count(metrics, "balanceroute_proxy_pool_wait_seconds")
+    result: dict[str, Any] = {"direct": direct, "proxy": proxied, "requests": len(trace),
+                              "router_rounds": rounds, "router_s": router_s,
+                              "router_ms_per_request": 1000 * router_s / max(1, len(trace)),
+                              "pool_wait_ms_mean": 1000 * wait_s / waits if waits else None}
+    for key in ("ttft", "e2el", "itl"):
+        for q in ("p50", "p99", "mean"):
+            name = f"{q}_{key}_ms"
+            if direct.get(name) is not None and proxied.get(name) is not None:
+                result[f"added_{name}"] = proxied[name] - direct[name]
+    return result
+
+
+def format_overhead(result: dict[str, Any]) -> str:
+    d, p = result["direct"], result["proxy"]
+    lines = [f"{'ms':<10} {'direct':>9} {'proxy':>9} {'added':>8}"]
+    for key, label in (("ttft", "TTFT"), ("e2el", "E2E"), ("itl", "ITL")):
+        for q in ("p50", "p99"):
+            name = f"{q}_{key}_ms"
+            lines.append(f"{label + ' ' + q.upper():<10} {d[name]:9.2f} {p[name]:9.2f} "
+                         f"{p[name] - d[name]:+8.2f}")
+    lines.append(f"router: {result['router_rounds']:.0f} rounds, "
+                 f"{result['router_ms_per_request']:.3f} ms of routing per request; "
+                 f"mean pool wait {result['pool_wait_ms_mean'] or 0:.2f} ms; "
+                 f"failed direct {d['failed']}, through the proxy {p['failed']}")
+    return "\n".join(lines)
+
+
+DEMO_REQUESTS = 240
+
+
+def demo_stage(trace_path: str, predictor_url: str) -> str:
+    """``make demo``'s serving stage: the bundled trace's first requests through the real
+    proxy and emulator (G = 8, B = 16), as BR-0 and as BR-H asking the live service."""
+    from router_client.traces import load_trace
+
+    trace = load_trace(trace_path, "auto", DEMO_REQUESTS)
+    config = FleetBenchConfig(workers=8, batch=16, time_scale=2.0)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="demo-proxy-") as workdir:
+        rows.append(run_policy(trace, "br0", config, workdir))
+        rows.append(run_policy(trace, "brh", config, workdir,
+                               ("--predictor-url", predictor_url)))
+    reference = rows[0]["throughput_tok_s"] or 1.0
+    lines = [f"{'proxy':<6} {'done':>5} {'failed':>6} {'tok/s':>7} {'x br0':>7} {'max-min':>8} "
+             f"{'round ms':>8} {'BR-0 rounds':>11} {'wall s':>6}"]
+    for r in rows:
+        lines.append(f"{r['policy']:<6} {r['completed']:5d} {r['failed']:6d} "
+                     f"{r['throughput_tok_s']:7.0f} {r['throughput_tok_s'] / reference:7.4f} "
+                     f"{r['imbalance_maxmin_mean']:8.0f} {r['router_ms_mean']:8.3f} "
+                     f"{r['fallback_rounds']:11d} {r['wall_s']:6.0f}")
     return "\n".join(lines)

@@ -311,6 +311,11 @@ class Proxy:
                 self.engines.mark_down(rank, f"connect: {type(exc).__name__}")
                 self._end(call, "error")
                 continue
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+                # A kept-alive connection the rank had just closed (no response began): the
+                # rank is not down; route again. A dead rank refuses the next connection.
+                self._end(call, "error")
+                continue
             except httpx.HTTPError as exc:
                 self.engines.mark_down(rank, f"send: {type(exc).__name__}")
                 self._end(call, "error")

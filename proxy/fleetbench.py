@@ -104,7 +104,7 @@ def step_log_summary(steps: list[dict[str, Any]]) -> dict[str, float]:
     window = [s for s in steps[: last + 1] if any(s["active"])]
     if not window:
         return {"steps": 0, "tokens": 0, "emulated_s": 0.0, "throughput_tok_s": 0.0,
-                "imbalance_maxmin_mean": 0.0, "imbalance_total_mean": 0.0}
+                "imbalance_maxmin_mean": 0.0, "imbalance_total_mean": 0.0, "running_mean": 0.0}
     loads = np.asarray([s["loads"] for s in window], dtype=np.float64)
     top = loads.max(axis=1)
     tokens = int(sum(s["tokens"] for s in window))
@@ -114,6 +114,7 @@ def step_log_summary(steps: list[dict[str, Any]]) -> dict[str, float]:
         "throughput_tok_s": tokens / emulated if emulated else 0.0,
         "imbalance_maxmin_mean": float((top - loads.min(axis=1)).mean()),
         "imbalance_total_mean": float((loads.shape[1] * top - loads.sum(axis=1)).mean()),
+        "running_mean": float(np.mean([sum(s["active"]) for s in window])),
     }
 
 

@@ -268,7 +268,7 @@ def format_overhead(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-DEMO_REQUESTS = 240
+DEMO_REQUESTS = 160
 
 
 def demo_stage(trace_path: str, predictor_url: str) -> str:

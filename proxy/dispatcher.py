@@ -17,6 +17,9 @@ coalesces every arrival and freed slot since the previous round. BR may leave a 
 empty on purpose (admitting would overflow the current maximum); the simulator's router then
 tries again at the next decode step, so here too, while requests wait and an up rank has a
 free slot, another round follows ``round_interval_s`` later (about one decode step).
+With ``min_round_s`` (the proxy's ``--step-ms``) rounds are at least that far apart: one per
+decode step, as in the simulator, since the router's step counters (the starvation guard's,
+the refresh cadence) count rounds; events of the same step then join one round.
 """
 
 from __future__ import annotations

@@ -394,6 +394,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for predictions (it learns from the run's completions), print the A/B table."""
     import httpx
 
+    from proxy.fleetbench import DEMO_REQUESTS, demo_stage
+
     from .livesrv import live_server
 
     out = Path("demo-out")
@@ -415,6 +417,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
              "--run-tag", "demo"]
         )
         code = cmd_ab(demo_args)
+        print(f"serving stage: the first {DEMO_REQUESTS} requests through balanceroute proxy "
+              "to balanceroute emulate (G = 8, B = 16; tok/s and max-min from the emulator's "
+              "step log), load generator in a closed loop; BR-H asks the service above")
+        print(demo_stage(trace, url))
         status = httpx.get(url + "/v1/status").json()
         report = httpx.get(url + "/v1/calibration").json()
         (out / "calibration.png").write_bytes(httpx.get(url + "/v1/calibration.png").content)

@@ -48,7 +48,7 @@ from router_client.client import RouterClient, RouterConfig
 from router_client.http_predictor import HttpPredictor
 from router_client.policies import make_policy
 from router_client.predictors import Predictor
-from router_client.sse import SSEParser, StreamTelemetry
+from router_client.sse import StreamTelemetry
 from router_client.traces import key_of_text
 
 from .dispatcher import BackgroundPredictor, Dispatcher, RankMaskPolicy
@@ -56,7 +56,7 @@ from .emulator import wait_disconnect
 from .engines import EngineSet
 from .metrics import ProxyMetrics
 from .pool import PendingPool, PoolExpired, PoolFull
-from .relay import Aggregate, is_usage_only, tool_progress
+from .relay import NATURAL_TOOL_FINISHES, Aggregate, is_usage_only
 from .tokens import prompt_tokens
 
 log = logging.getLogger("balanceroute.proxy")
@@ -80,12 +80,13 @@ class ProxyConfig:
     pool_max: int = 4096
     pool_ttl_s: float = 60.0
     active_ttl_s: float = 300.0
-    connect_timeout_s: float = 2.0
+    connect_timeout_s: float = 10.0
     engine_timeout_s: float = 120.0
     probe_interval_s: float = 1.0
     reconcile_interval_s: float = 5.0
     prefill_kv_budget: int = 2_000_000
     retries: int = 1
+    step_s: float | None = None  # the fleet's decode step: one routing round per step at most
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -127,7 +128,6 @@ class Call:
     telemetry: StreamTelemetry | None = None
     prefill_instance: int | None = None
     prefill_tokens: int = 0
-    tool_deltas: int = 0
     outcome: str = "cancelled"
     closed: bool = False
 
@@ -191,7 +191,9 @@ class Proxy:
             policy=self.policy if baseline else None,
             wrap=None if baseline else self.policy.around)
         self.dispatcher = Dispatcher(self.client, self.pending, self.metrics, self.policy,
-                                     self.engines.up)
+                                     self.engines.up,
+                                     round_interval_s=config.step_s or 0.01,
+                                     min_round_s=config.step_s or 0.0)
         self.prefills = (EngineSet(config.prefill, self.http, self.metrics, self._wake,
                                    config.probe_interval_s, kind="prefill")
                          if config.prefill else None)
@@ -309,6 +311,11 @@ class Proxy:
                 self.engines.mark_down(rank, f"connect: {type(exc).__name__}")
                 self._end(call, "error")
                 continue
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+                # A kept-alive connection the rank had just closed (no response began): the
+                # rank is not down; route again. A dead rank refuses the next connection.
+                self._end(call, "error")
+                continue
             except httpx.HTTPError as exc:
                 self.engines.mark_down(rank, f"send: {type(exc).__name__}")
                 self._end(call, "error")
@@ -378,55 +385,52 @@ class Proxy:
             instance, call.prefill_instance = call.prefill_instance, None
             await self.budget.release(instance, call.prefill_tokens)
 
-    async def events(self, call: Call) -> AsyncIterator[tuple[dict[str, Any], str]]:
-        """Upstream events as (chunk, raw data), with telemetry; raises StreamCut."""
+    async def events(self, call: Call) -> AsyncIterator[list[tuple[dict[str, Any], bytes]]]:
+        """Upstream chunks as (chunk, data) per network read, with telemetry; raises StreamCut.
+
+        Each event is split out of the bytes and parsed once (the telemetry counts tokens from
+        the parsed chunk; the data bytes are relayed as they came)."""
         assert call.response is not None and call.telemetry is not None
         telemetry = call.telemetry
-        fleet = self.client.fleet
-        parser = SSEParser()
+        parser = telemetry.parser
+        event = telemetry.event
+        clock = time.monotonic
         try:
             async for raw in call.response.aiter_raw():
-                now = time.monotonic()
                 if call.prefill_instance is not None:
                     await self._release_prefill(call)  # the first decode chunk: KV handed off
-                for data in parser.feed(raw):
-                    if data.strip() == "[DONE]":
-                        continue
-                    try:
-                        chunk = orjson.loads(data)
-                    except orjson.JSONDecodeError:
-                        continue
-                    if not isinstance(chunk, dict):
-                        continue
-                    if "tool_calls" in data or "function_call" in data:
-                        deltas, ends = tool_progress(chunk)
-                        call.tool_deltas += deltas
-                        fleet.progress(call.request_id, telemetry.generated + call.tool_deltas,
-                                       now)
-                        if ends:
-                            call.outcome = "tool_calls"
-                            fleet.finish(call.request_id, "stop", now,
-                                         telemetry.generated + call.tool_deltas)
-                    yield chunk, data
-                telemetry.feed(raw, now)
+                now = clock()
+                batch = []
+                for data in parser.events(raw):
+                    chunk = event(data, now)
+                    if chunk is not None:
+                        batch.append((chunk, data))
+                if batch:
+                    yield batch
         except httpx.HTTPError as exc:
-            telemetry.close(time.monotonic())
+            telemetry.close(clock())
             if call.rank is not None and not isinstance(exc, httpx.ReadTimeout):
                 self.engines.mark_down(call.rank, f"stream: {type(exc).__name__}")
             call.outcome = "error"
             raise StreamCut(f"decode rank {call.rank} stream failed: {exc!r}") from exc
-        ended = telemetry.close(time.monotonic())
-        if call.outcome != "tool_calls":
-            call.outcome = ended
-        if ended == "error" and call.outcome != "tool_calls":
+        now = clock()
+        tail = [(chunk, data) for data in parser.close_events()
+                if (chunk := event(data, now)) is not None]
+        if tail:
+            yield tail
+        ended = telemetry.close(now)
+        call.outcome = "tool_calls" if telemetry.reason in NATURAL_TOOL_FINISHES else ended
+        if ended == "error":
             raise StreamCut(f"decode rank {call.rank} ended the stream without a finish")
 
     async def relay(self, call: Call) -> AsyncIterator[bytes]:
+        drop_usage = not call.client_usage
         try:
-            async for chunk, data in self.events(call):
-                if not call.client_usage and is_usage_only(chunk):
-                    continue
-                yield b"data: " + data.encode() + b"\n\n"
+            async for batch in self.events(call):
+                out = b"".join(b"data: " + data + b"\n\n" for chunk, data in batch
+                               if not (drop_usage and is_usage_only(chunk)))
+                if out:
+                    yield out
             yield b"data: [DONE]\n\n"
         except StreamCut as exc:
             yield b"data: " + orjson.dumps({"error": {"message": str(exc),
@@ -437,8 +441,9 @@ class Proxy:
 
     async def collect(self, call: Call) -> dict[str, Any]:
         aggregate = Aggregate(call.chat)
-        async for chunk, _ in self.events(call):
-            aggregate.add(chunk)
+        async for batch in self.events(call):
+            for chunk, _ in batch:
+                aggregate.add(chunk)
         return aggregate.result()
 
     async def close(self, call: Call) -> None:

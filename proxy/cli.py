@@ -10,11 +10,14 @@ import argparse
 import asyncio
 import json
 import math
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from router_client.errors import ParameterError
 from router_client.simulator import DEFAULT_STEP_COST, parse_step_cost
+
+T = TypeVar("T")
 
 
 def _urls(text: str) -> list[str]:
@@ -64,6 +67,13 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
                        help="seconds a request may wait for a decode slot (default 60)")
     proxy.add_argument("--engine-timeout", type=float, default=120.0,
                        help="seconds without a byte from a rank before the stream fails")
+    proxy.add_argument("--step-ms", type=_positive_float, default=None,
+                       help="the ranks' decode step in ms: routing rounds at most once per "
+                       "step, as the router's step counters assume (default: every event, and "
+                       "every 10 ms while requests wait)")
+    proxy.add_argument("--connect-timeout", type=_positive_float, default=10.0,
+                       help="seconds to open a connection to a rank before it is marked down "
+                       "(default 10: a busy host accepts late, a dead one refuses at once)")
     proxy.add_argument("--prefill-kv-budget", type=int, default=2_000_000,
                        help="KV tokens one prefill instance may hold for pending hand-offs")
     proxy.set_defaults(handler=cmd_proxy)
@@ -103,6 +113,47 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     serve.add_argument("--json", type=Path, default=None)
     serve.set_defaults(handler=cmd_bench_serve)
 
+    fleet = bench_sub.add_parser(
+        "proxy-ab", help="policies through the proxy and the emulator vs balanceroute ab")
+    fleet.add_argument("--trace", required=True, help="trace file or synth:NAME")
+    fleet.add_argument("--format", default="auto")
+    fleet.add_argument("--requests", type=int, default=600, help="the first N (default 600)")
+    fleet.add_argument("--workers", type=int, default=8, help="G decode ranks (default 8)")
+    fleet.add_argument("--batch", type=int, default=16, help="B slots per rank (default 16)")
+    fleet.add_argument("--step-cost", type=_step_cost, default=DEFAULT_STEP_COST, help=cost)
+    fleet.add_argument("--time-scale", type=_positive_float, default=0.25,
+                       help="the emulator's speed-up over the cost model (default 0.25)")
+    fleet.add_argument("--policies", default="br0,jsq,rr",
+                       help="proxy policies, the first is the reference (default br0,jsq,rr)")
+    fleet.add_argument("--seed", type=int, default=0)
+    fleet.add_argument("--json", type=Path, default=None)
+    fleet.set_defaults(handler=cmd_bench_proxy_ab)
+
+    over = bench_sub.add_parser(
+        "proxy-overhead", help="bench serve against one emulated rank, directly and proxied")
+    over.add_argument("--trace", default="synth:long:n=400,output_mean=64,output_sigma=0.3,"
+                      "prompt_mean=500", help="trace file or synth:NAME")
+    over.add_argument("--format", default="auto")
+    over.add_argument("--requests", type=int, default=None)
+    over.add_argument("--rate", type=_positive_float, default=10.0,
+                      help="Poisson arrivals per second (default 10)")
+    over.add_argument("--batch", type=int, default=64)
+    over.add_argument("--step-cost", type=_step_cost, default=DEFAULT_STEP_COST, help=cost)
+    over.add_argument("--time-scale", type=_positive_float, default=1.0)
+    over.add_argument("--seed", type=int, default=0)
+    over.add_argument("--json", type=Path, default=None)
+    over.set_defaults(handler=cmd_bench_proxy_overhead)
+
+
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on uvloop where it is installed (it is a dependency off Windows)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - Windows
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
 
 def cmd_proxy(args: argparse.Namespace) -> int:
     import uvicorn
@@ -113,6 +164,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                          predictor_url=args.predictor_url, batch=args.batch, bypass=args.bypass,
                          pool_max=args.pool_max, pool_ttl_s=args.pool_ttl,
                          engine_timeout_s=args.engine_timeout,
+                         connect_timeout_s=args.connect_timeout,
+                         step_s=args.step_ms / 1000 if args.step_ms else None,
                          prefill_kv_budget=args.prefill_kv_budget)
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="warning",
                 access_log=False, timeout_keep_alive=30, backlog=4096)
@@ -126,7 +179,7 @@ def cmd_emulate(args: argparse.Namespace) -> int:
                             time_scale=args.time_scale, seed=args.seed,
                             mean_output=args.mean_output, prefill_workers=args.prefill_workers)
     try:
-        asyncio.run(serve(config, args.host, args.port))
+        run_async(serve(config, args.host, args.port))
     except KeyboardInterrupt:
         pass
     return 0
@@ -144,9 +197,47 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                         seed=args.seed, model=args.model)
     if args.rate is None and args.load is None and trace.arrival_s is None:
         config = LoadConfig(**{**config.__dict__, "rate": math.inf})
-    summary, _ = asyncio.run(run(trace, config))
+    summary, _ = run_async(run(trace, config))
     print(format_summary(summary))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2))
     return 0 if summary["failed"] == 0 else 1
+
+
+def cmd_bench_proxy_ab(args: argparse.Namespace) -> int:
+    from router_client.traces import load_trace
+
+    from .fleetbench import FleetBenchConfig, compare, format_rows
+
+    trace = load_trace(args.trace, args.format, args.requests)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    config = FleetBenchConfig(workers=args.workers, batch=args.batch, step_cost=args.step_cost,
+                              time_scale=args.time_scale, seed=args.seed)
+    rows = compare(trace, policies, config)
+    print(f"trace {args.trace}: {len(trace)} requests, G={args.workers}, B={args.batch}, "
+          f"backlog (closed loop of G*B + 4G), step cost {args.step_cost[0]:g}*max_load + "
+          f"{args.step_cost[1]:g} s; proxy columns from the emulator's step log")
+    print(format_rows(rows))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def cmd_bench_proxy_overhead(args: argparse.Namespace) -> int:
+    from router_client.traces import load_trace
+
+    from .fleetbench import FleetBenchConfig, format_overhead, overhead
+
+    trace = load_trace(args.trace, args.format, args.requests)
+    config = FleetBenchConfig(workers=1, batch=args.batch, step_cost=args.step_cost,
+                              time_scale=args.time_scale, seed=args.seed)
+    result = overhead(trace, args.rate, config)
+    print(f"trace {args.trace}: {len(trace)} requests at {args.rate:g}/s against one emulated "
+          f"rank (B={args.batch}), directly and through the proxy")
+    print(format_overhead(result))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0 if result["direct"]["failed"] == 0 and result["proxy"]["failed"] == 0 else 1

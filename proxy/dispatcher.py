@@ -17,12 +17,16 @@ coalesces every arrival and freed slot since the previous round. BR may leave a 
 empty on purpose (admitting would overflow the current maximum); the simulator's router then
 tries again at the next decode step, so here too, while requests wait and an up rank has a
 free slot, another round follows ``round_interval_s`` later (about one decode step).
+With ``min_round_s`` (the proxy's ``--step-ms``) rounds are at least that far apart: one per
+decode step, as in the simulator, since the router's step counters (the starvation guard's,
+the refresh cadence) count rounds; events of the same step then join one round.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -131,9 +135,11 @@ class BackgroundPredictor:
 
 class Dispatcher:
     def __init__(self, client: RouterClient, pending: PendingPool, metrics: ProxyMetrics,
-                 policy: RankMaskPolicy, up: list[bool], round_interval_s: float = 0.01) -> None:
+                 policy: RankMaskPolicy, up: list[bool], round_interval_s: float = 0.01,
+                 min_round_s: float = 0.0) -> None:
         self.client = client
         self.round_interval_s = round_interval_s
+        self.min_round_s = min_round_s
         self._retry: asyncio.TimerHandle | None = None
         self.pending = pending
         self.metrics = metrics
@@ -148,10 +154,16 @@ class Dispatcher:
         self._wake.set()
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = -math.inf
         while True:
             await self._wake.wait()
+            # At most one round per decode step (the router's step counters, the starvation
+            # guard's included, count rounds): events of the same step join one round.
+            wait = last + self.min_round_s - loop.time()
+            await asyncio.sleep(wait if wait > 0 else 0)
             self._wake.clear()
-            await asyncio.sleep(0)  # arrivals of the same burst join this round
+            last = loop.time()
             try:
                 self.round()
             except Exception:  # keep routing; the state check in tests catches real faults

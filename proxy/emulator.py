@@ -147,9 +147,11 @@ class Emulator:
             if not any(rank.queue or rank.active for rank in self.ranks):
                 self._wake.clear()
                 await self._wake.wait()
+            admitted = 0
             for rank in self.ranks:
                 while rank.queue and len(rank.active) < self.config.batch:
                     rank.active.append(rank.queue.popleft())
+                    admitted += 1
             loads = [rank.load for rank in self.ranks]
             counts = [len(rank.active) for rank in self.ranks]
             if not any(counts):
@@ -177,6 +179,7 @@ class Emulator:
             self.steps.append({
                 "step": self.step_index, "dt": model_dt, "loads": loads, "active": counts,
                 "waiting": [len(rank.queue) for rank in self.ranks], "tokens": tokens,
+                "admitted": admitted,
                 "wall": loop.time() - started,
             })
             self.step_index += 1

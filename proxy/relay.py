@@ -8,9 +8,10 @@ the engine's token count is authoritative and the router sees progress in-band),
 - for a non-streaming client folds the events into one ``text_completion`` or
   ``chat.completion`` object (:class:`Aggregate`), tool calls included.
 
-``tool_calls`` (and the legacy ``function_call``) finishes are natural ends, reported to the
-mirrored state as ``stop`` (StreamTelemetry only knows ``stop``/``length`` and would record
-them as ``error``); their argument deltas count as generated tokens.
+``tool_calls`` (and the legacy ``function_call``) finishes are natural ends, which
+:class:`~router_client.sse.StreamTelemetry` reports to the mirrored state as ``stop``; their
+argument deltas count as generated tokens. Each event is parsed once (the telemetry's parse is
+the relay's) and relayed as the bytes the engine sent.
 """
 
 from __future__ import annotations
@@ -22,21 +23,6 @@ NATURAL_TOOL_FINISHES = ("tool_calls", "function_call")
 
 def is_usage_only(chunk: dict[str, Any]) -> bool:
     return not chunk.get("choices") and chunk.get("usage") is not None
-
-
-def tool_progress(chunk: dict[str, Any]) -> tuple[int, bool]:
-    """(tool-call deltas in the chunk, whether it ends the request with a tool call)."""
-    deltas = 0
-    ends = False
-    for choice in chunk.get("choices") or []:
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta")
-        if isinstance(delta, dict) and (delta.get("tool_calls") or delta.get("function_call")):
-            deltas += 1
-        if choice.get("finish_reason") in NATURAL_TOOL_FINISHES:
-            ends = True
-    return deltas, ends
 
 
 class Aggregate:

@@ -2,59 +2,88 @@
 
 :class:`SSEParser` turns raw bytes, in whatever pieces the network delivers them, into events:
 ``data:`` lines joined per event, comments (``:``) and other fields skipped, ``[DONE]``
-recognized. :class:`StreamTelemetry` reads ``completions`` chunks (``choices[].text``) and
-``chat.completions`` chunks (``choices[].delta.content``): each chunk with content advances the
-request's generated count by one (one content delta per decode step, as engines stream by
-default); a ``usage`` object, when present, sets the count to ``completion_tokens`` (the
-engine's own figure wins); a ``finish_reason`` ends the request (``stop``, ``length``; others
-map to ``error``). A malformed chunk is counted and skipped. A stream that closes without a
-finish ends the request as ``error`` (right-censored).
+recognized. It works on bytes (no decoding: a proxy forwards the payload as it came).
+:class:`StreamTelemetry` reads ``completions`` chunks (``choices[].text``) and
+``chat.completions`` chunks (``choices[].delta.content``, ``tool_calls``, ``function_call``):
+each chunk with generated content advances the request's generated count by one (one delta per
+decode step, as engines stream by default); a ``usage`` object, when present, sets the count to
+``completion_tokens`` (the engine's own figure wins); a ``finish_reason`` ends the request
+(``stop``, ``length``; ``tool_calls`` and ``function_call`` are natural ends and count as
+``stop``; others map to ``error``). A malformed chunk is counted and skipped. A stream that
+closes without a finish ends the request as ``error`` (right-censored).
+
+A caller that already parsed a chunk (the proxy parses each one once, to relay it) hands it to
+:meth:`StreamTelemetry.observe` instead of feeding the bytes again.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
+
+import orjson
 
 from .state import MirroredFleet
 
 DONE = "[DONE]"
+NATURAL_FINISHES = {"stop": "stop", "length": "length", "tool_calls": "stop",
+                    "function_call": "stop"}
 
 
 class SSEParser:
-    """Incremental Server-Sent Events parser yielding each event's data string."""
+    """Incremental Server-Sent Events parser yielding each event's data."""
 
     def __init__(self) -> None:
         self._buffer = b""
-        self._data: list[str] = []
+        self._data: list[bytes] = []
+
+    def events(self, chunk: bytes) -> list[bytes]:
+        """The data of every event completed by ``chunk`` (bytes, as sent)."""
+        buffer = self._buffer + chunk if self._buffer else chunk
+        out: list[bytes] = []
+        start = 0
+        find = buffer.find
+        while True:
+            cut = find(b"\n", start)
+            if cut < 0:
+                break
+            line = buffer[start:cut]
+            start = cut + 1
+            if line[-1:] == b"\r":
+                line = line[:-1]
+            if not line:
+                if self._data:
+                    data = self._data
+                    out.append(data[0] if len(data) == 1 else b"\n".join(data))
+                    self._data = []
+            elif line[:5] == b"data:":
+                self._data.append(line[6:] if line[5:6] == b" " else line[5:])
+            elif line == b"data":
+                self._data.append(b"")
+            # comments (":...") and other fields (event, id, retry) are skipped
+        self._buffer = buffer[start:]
+        return out
 
     def feed(self, chunk: bytes) -> Iterator[str]:
-        self._buffer += chunk
-        while True:
-            cut = self._buffer.find(b"\n")
-            if cut < 0:
-                return
-            raw, self._buffer = self._buffer[:cut], self._buffer[cut + 1:]
-            line = raw.rstrip(b"\r").decode("utf-8", errors="replace")
-            if line == "":
-                if self._data:
-                    yield "\n".join(self._data)
-                    self._data = []
-                continue
-            if line.startswith(":"):
-                continue  # comment / keep-alive
-            name, _, value = line.partition(":")
-            if name == "data":
-                self._data.append(value[1:] if value.startswith(" ") else value)
+        for data in self.events(chunk):
+            yield data.decode("utf-8", errors="replace")
+
+    def close_events(self) -> list[bytes]:
+        """End of stream: a last event without its blank line still counts."""
+        out = self.events(b"\n") if self._buffer else []
+        if self._data:
+            out.append(b"\n".join(self._data))
+            self._data = []
+        return out
 
     def close(self) -> Iterator[str]:
-        """End of stream: a last event without its blank line still counts."""
-        if self._buffer:
-            yield from self.feed(b"\n")
-        if self._data:
-            yield "\n".join(self._data)
-            self._data = []
+        for data in self.close_events():
+            yield data.decode("utf-8", errors="replace")
+
+
+def is_done(data: bytes) -> bool:
+    return data[:6] == b"[DONE]" or data.strip() == b"[DONE]"
 
 
 @dataclass
@@ -65,6 +94,7 @@ class StreamTelemetry:
     request_id: str
     generated: int = 0
     finished: str | None = None
+    reason: str | None = None  # the engine's own finish_reason
     malformed: int = 0
     done: bool = False
 
@@ -72,50 +102,62 @@ class StreamTelemetry:
         self.parser = SSEParser()
 
     def feed(self, chunk: bytes, now: float) -> None:
-        for data in self.parser.feed(chunk):
-            self._event(data, now)
+        for data in self.parser.events(chunk):
+            self.event(data, now)
 
     def close(self, now: float) -> str:
         """The stream ended (normally or not); returns how the request ended."""
-        for data in self.parser.close():
-            self._event(data, now)
+        for data in self.parser.close_events():
+            self.event(data, now)
         if self.finished is None:
             self.finished = "error"  # cut mid-way: censored, and the slot is freed
             self.fleet.finish(self.request_id, "error", now, self.generated)
         return self.finished
 
-    def _event(self, data: str, now: float) -> None:
-        if data.strip() == DONE:
+    def event(self, data: bytes, now: float) -> dict[str, Any] | None:
+        """One event's data; returns the parsed chunk (None for [DONE] or malformed)."""
+        if is_done(data):
             self.done = True
-            return
+            return None
         try:
-            chunk = json.loads(data)
-            choices = chunk.get("choices") or []
-            usage = chunk.get("usage")
-        except (json.JSONDecodeError, AttributeError):
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
             self.malformed += 1
-            return
+            return None
+        return chunk if self.observe(chunk, now) else None
+
+    def observe(self, chunk: Any, now: float) -> bool:
+        """One parsed chunk; False (and counted) if it is not a chunk object."""
+        if not isinstance(chunk, dict):
+            self.malformed += 1
+            return False
+        choices = chunk.get("choices") or []
         if not isinstance(choices, list):
             self.malformed += 1
-            return
+            return False
         finish = None
         for choice in choices:
             if not isinstance(choice, dict):
                 self.malformed += 1
                 continue
             delta = choice.get("delta")
-            text = choice.get("text")
-            content = delta.get("content") if isinstance(delta, dict) else text
-            if content:
+            if isinstance(delta, dict):
+                if (delta.get("content") or delta.get("tool_calls")
+                        or delta.get("function_call")):
+                    self.generated += 1
+            elif choice.get("text"):
                 self.generated += 1
             finish = choice.get("finish_reason") or finish
+        usage = chunk.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.generated = usage["completion_tokens"]
             if self.finished is not None:  # usage comes in its own chunk after the finish
                 self.fleet.amend_outcome(self.request_id, self.generated)
         if self.finished is not None:
-            return
+            return True
         self.fleet.progress(self.request_id, self.generated, now)
         if finish:
-            self.finished = finish if finish in ("stop", "length") else "error"
+            self.reason = str(finish)
+            self.finished = NATURAL_FINISHES.get(self.reason, "error")
             self.fleet.finish(self.request_id, self.finished, now, self.generated)
+        return True

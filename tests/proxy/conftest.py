@@ -45,12 +45,12 @@ class Process:
     log: str
     popen: subprocess.Popen | None = None
 
-    def start(self, ready_path: str) -> Process:
+    def start(self, ready_path: str, timeout_s: float = START_TIMEOUT_S) -> Process:
         with open(self.log, "ab") as log:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "predictor.cli", *self.args],
                 stdout=subprocess.DEVNULL, stderr=log)
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.args[0]} exited: {open(self.log).read()[-2000:]}")

@@ -85,3 +85,31 @@ def test_parser_joins_multiline_data():
     parser = SSEParser()
     events = list(parser.feed(b"event: x\ndata: a\ndata: b\nid: 3\n\n"))
     assert events == ["a\nb"]
+
+
+def test_tool_call_deltas_count_and_tool_calls_finish_is_a_natural_end():
+    fleet = fleet_with()
+    telemetry = StreamTelemetry(fleet, "r1")
+    call = b'{"index": 0, "function": {"arguments": "x"}}'
+    telemetry.feed(b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
+                   + (b'data: {"choices": [{"delta": {"tool_calls": [' + call + b']}}]}\n\n') * 3
+                   + b'data: {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]}\n\n',
+                   1.0)
+    assert telemetry.generated == 3 and telemetry.reason == "tool_calls"
+    assert telemetry.finished == "stop" and fleet.ended["r1"] == "stop"
+
+
+def test_parser_events_are_bytes_split_once_across_pieces():
+    parser = SSEParser()
+    raw = b'data: {"a": 1}\r\n\r\n: keep-alive\n\ndata: [DONE]\n\n'
+    got = [event for i in range(len(raw)) for event in parser.events(raw[i:i + 1])]
+    assert got == [b'{"a": 1}', b"[DONE]"]
+
+
+def test_observe_takes_an_already_parsed_chunk():
+    fleet = fleet_with()
+    telemetry = StreamTelemetry(fleet, "r1")
+    assert telemetry.observe({"choices": [{"text": "a"}]}, 1.0)
+    assert not telemetry.observe([1, 2], 1.0) and telemetry.malformed == 1
+    assert telemetry.observe({"choices": [], "usage": {"completion_tokens": 4}}, 1.0)
+    assert telemetry.generated == 4 and fleet.active["r1"].generated == 4

@@ -31,6 +31,15 @@ settings.load_profile(
 POSTGRES_URL = os.environ.get("BALANCEROUTE_TEST_POSTGRES_URL")
 
 
+def require_postgres() -> str:
+    """The admin URL; skips on a developer machine without it, fails in CI."""
+    if not POSTGRES_URL:
+        if os.environ.get("CI"):
+            pytest.fail("BALANCEROUTE_TEST_POSTGRES_URL is not set in CI")
+        pytest.skip("no PostgreSQL (set BALANCEROUTE_TEST_POSTGRES_URL; .ci/run does)")
+    return POSTGRES_URL
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def database_url(request, tmp_path) -> Iterator[str]:
     """A fresh, empty database: SQLite in tmp_path, or a new PostgreSQL database.
@@ -42,10 +51,7 @@ def database_url(request, tmp_path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'test.db'}"
         return
-    if not POSTGRES_URL:
-        if os.environ.get("CI"):
-            pytest.fail("BALANCEROUTE_TEST_POSTGRES_URL is not set in CI")
-        pytest.skip("no PostgreSQL (set BALANCEROUTE_TEST_POSTGRES_URL; .ci/run does)")
+    require_postgres()
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 

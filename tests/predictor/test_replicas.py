@@ -21,7 +21,7 @@ from models import AbJob
 from predictor.abjobs import AbJobRunner
 from predictor.livesrv import free_port, live_server
 from predictor.store import make_engine, migrate
-from tests.conftest import POSTGRES_URL
+from tests.conftest import POSTGRES_URL, require_postgres
 
 POLL = "0.5"  # BALANCEROUTE_REPLICA_POLL_INTERVAL in these tests
 QUERY = {"estimator": "exact_match", "horizon": 64, "items": [
@@ -98,11 +98,10 @@ def _ready(process: subprocess.Popen, port: int) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.skipif(not POSTGRES_URL, reason="needs BALANCEROUTE_TEST_POSTGRES_URL")
 @pytest.mark.parametrize("attempt", range(4))
 def test_two_replicas_starting_together_on_an_empty_database_both_come_up(attempt):
     name = f"br_race_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    admin = create_engine(require_postgres(), isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     url = make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)

@@ -20,8 +20,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check predictor router_client proxy models migrations tests
 	$(BIN)/mypy router_client predictor proxy models
 
+# Two workers (pytest-xdist): the suite is mostly real processes waiting on each other; on the
+# 2-core CI machine this takes about 6.5 minutes instead of 10.5. PYTEST_WORKERS=0 runs it
+# in one process.
+PYTEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
 
 demo: $(STAMP)
 	$(BIN)/balanceroute demo

@@ -55,11 +55,16 @@ def live_process(database_url: str, port: int | None = None, env: dict[str, str]
             time.sleep(0.1)
         yield url, process
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            process.kill()
-            process.wait()
-        if process.stderr is not None:
-            process.stderr.close()
+        stop_process(process)
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """Terminate, wait up to ``timeout_s``, kill if it did not exit; close its stderr pipe."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        process.kill()
+        process.wait()
+    if process.stderr is not None:
+        process.stderr.close()

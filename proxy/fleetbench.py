@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from predictor.livesrv import stop_process
 from router_client.traces import Trace
 
 from .loadgen import LoadConfig, run
@@ -90,12 +91,7 @@ def spawned(args: list[str], ready_url: str, log_path: str,
             time.sleep(0.2)
         yield process
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout_s=15.0)
 
 
 def step_log_summary(steps: list[dict[str, Any]]) -> dict[str, float]:

@@ -19,7 +19,7 @@ from sqlalchemy.orm import sessionmaker
 
 from models import AbJob
 from predictor.abjobs import AbJobRunner
-from predictor.livesrv import free_port, live_server
+from predictor.livesrv import free_port, live_server, stop_process
 from predictor.store import make_engine, migrate
 from tests.conftest import POSTGRES_URL, require_postgres
 
@@ -119,15 +119,7 @@ def test_two_replicas_starting_together_on_an_empty_database_both_come_up(attemp
         admin.dispose()
 
 
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # pragma: no cover
-        process.kill()
-        process.wait()
-    if process.stderr is not None:
-        process.stderr.close()
+_stop = stop_process
 
 
 def test_another_replicas_start_leaves_a_leased_job_alone(tmp_path):

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Literal
 
 import httpx
 
@@ -40,22 +41,34 @@ def live_process(database_url: str, port: int | None = None, env: dict[str, str]
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if process.poll() is not None:
-                output = process.stderr.read().decode() if process.stderr else ""
-                raise RuntimeError("the service exited: " + output[-2000:])
-            try:
-                if httpx.get(url + "/readyz", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the service did not become ready within {timeout_s}s")
-            time.sleep(0.1)
+        state = wait_ready(process, url + "/readyz", timeout_s)
+        if state == "exited":
+            output = process.stderr.read().decode() if process.stderr else ""
+            raise RuntimeError("the service exited: " + output[-2000:])
+        if state == "timeout":
+            raise RuntimeError(f"the service did not become ready within {timeout_s}s")
         yield url, process
     finally:
         stop_process(process)
+
+
+def wait_ready(process: subprocess.Popen, ready_url: str, timeout_s: float,
+               interval_s: float = 0.1, request_timeout_s: float = 1.0
+               ) -> Literal["ready", "exited", "timeout"]:
+    """Poll ``ready_url`` until it answers 200 (``"ready"``), the process exits (``"exited"``)
+    or ``timeout_s`` passes (``"timeout"``); the caller says what went wrong."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            return "exited"
+        try:
+            if httpx.get(ready_url, timeout=request_timeout_s).status_code == 200:
+                return "ready"
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            return "timeout"
+        time.sleep(interval_s)
 
 
 def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:

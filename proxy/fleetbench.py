@@ -30,9 +30,10 @@ from typing import Any
 import httpx
 import numpy as np
 
-from predictor.livesrv import stop_process
+from predictor.livesrv import stop_process, wait_ready
 from router_client.traces import Trace
 
+from .emulator import summarize
 from .loadgen import LoadConfig, run
 
 BACKLOG_PER_RANK = 4
@@ -77,41 +78,27 @@ def spawned(args: list[str], ready_url: str, log_path: str,
         process = subprocess.Popen([sys.executable, "-m", "predictor.cli", *args],
                                    stdout=subprocess.DEVNULL, stderr=log)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{args[0]} exited; see {log_path}")
-            try:
-                if httpx.get(ready_url, timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{args[0]} did not start; see {log_path}")
-            time.sleep(0.2)
+        state = wait_ready(process, ready_url, timeout_s, interval_s=0.2, request_timeout_s=2.0)
+        if state == "exited":
+            raise RuntimeError(f"{args[0]} exited; see {log_path}")
+        if state == "timeout":
+            raise RuntimeError(f"{args[0]} did not start; see {log_path}")
         yield process
     finally:
         stop_process(process, timeout_s=15.0)
 
 
 def step_log_summary(steps: list[dict[str, Any]]) -> dict[str, float]:
-    """``ab``'s figures from the emulator's step log: steps up to the last admission."""
+    """``ab``'s figures from the emulator's step log: :func:`proxy.emulator.summarize` over the
+    steps up to the last admission, throughput named as ``ab`` names it, plus the mean count
+    of running requests."""
     last = max((i for i, s in enumerate(steps) if s.get("admitted")), default=-1)
-    window = [s for s in steps[: last + 1] if any(s["active"])]
-    if not window:
-        return {"steps": 0, "tokens": 0, "emulated_s": 0.0, "throughput_tok_s": 0.0,
-                "imbalance_maxmin_mean": 0.0, "imbalance_total_mean": 0.0, "running_mean": 0.0}
-    loads = np.asarray([s["loads"] for s in window], dtype=np.float64)
-    top = loads.max(axis=1)
-    tokens = int(sum(s["tokens"] for s in window))
-    emulated = float(sum(s["dt"] for s in window))
-    return {
-        "steps": len(window), "tokens": tokens, "emulated_s": emulated,
-        "throughput_tok_s": tokens / emulated if emulated else 0.0,
-        "imbalance_maxmin_mean": float((top - loads.min(axis=1)).mean()),
-        "imbalance_total_mean": float((loads.shape[1] * top - loads.sum(axis=1)).mean()),
-        "running_mean": float(np.mean([sum(s["active"]) for s in window])),
-    }
+    window = steps[: last + 1]
+    summary = summarize(window)
+    summary["throughput_tok_s"] = summary.pop("tok_s")
+    running = [sum(s["active"]) for s in window if any(s["active"])]
+    summary["running_mean"] = float(np.mean(running)) if running else 0.0
+    return summary
 
 
 def step_wall_s(trace: Trace, config: FleetBenchConfig) -> float:

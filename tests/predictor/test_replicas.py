@@ -19,7 +19,7 @@ from sqlalchemy.orm import sessionmaker
 
 from models import AbJob
 from predictor.abjobs import AbJobRunner
-from predictor.livesrv import free_port, live_server, stop_process
+from predictor.livesrv import free_port, live_server, stop_process, wait_ready
 from predictor.store import make_engine, migrate
 from tests.conftest import POSTGRES_URL, require_postgres
 
@@ -83,19 +83,12 @@ def _start(url: str, port: int) -> subprocess.Popen:
 
 
 def _ready(process: subprocess.Popen, port: int) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        if process.poll() is not None:
-            error = process.stderr.read().decode() if process.stderr else ""
-            pytest.fail(f"a replica exited while starting: {error[-1500:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail("a replica did not become ready")
-        time.sleep(0.05)
+    state = wait_ready(process, f"http://127.0.0.1:{port}/readyz", 60, interval_s=0.05)
+    if state == "exited":
+        error = process.stderr.read().decode() if process.stderr else ""
+        pytest.fail(f"a replica exited while starting: {error[-1500:]}")
+    if state == "timeout":
+        pytest.fail("a replica did not become ready")
 
 
 @pytest.mark.parametrize("attempt", range(4))

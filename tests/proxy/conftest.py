@@ -15,7 +15,21 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from predictor.livesrv import wait_ready
+
 START_TIMEOUT_S = 30.0
+
+
+def poll_until(predicate, what: str, timeout_s: float, interval_s: float):
+    """``predicate()``'s first truthy value, asked every ``interval_s``; fails the test after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval_s)
 
 
 def free_ports(count: int) -> int:
@@ -50,17 +64,12 @@ class Process:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "predictor.cli", *self.args],
                 stdout=subprocess.DEVNULL, stderr=log)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.args[0]} exited: {open(self.log).read()[-2000:]}")
-            try:
-                if httpx.get(self.url + ready_path, timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.args[0]} did not start: {open(self.log).read()[-2000:]}")
+        state = wait_ready(self.popen, self.url + ready_path, timeout_s)
+        if state == "exited":
+            raise RuntimeError(f"{self.args[0]} exited: {open(self.log).read()[-2000:]}")
+        if state == "timeout":
+            raise RuntimeError(f"{self.args[0]} did not start: {open(self.log).read()[-2000:]}")
+        return self
 
     def kill(self) -> None:
         if self.popen is not None and self.popen.poll() is None:

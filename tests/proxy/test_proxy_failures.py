@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
 
-from .conftest import Launcher, assert_quiescent, proxy_state, rank_urls
+from .conftest import Launcher, assert_quiescent, poll_until, proxy_state, rank_urls
 
 
 async def _run(proxy_url: str, n: int, max_tokens: int) -> list[str | int]:
@@ -32,13 +31,7 @@ async def _run(proxy_url: str, n: int, max_tokens: int) -> list[str | int]:
 
 
 def _wait_for(predicate, what: str, timeout_s: float = 15.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    return poll_until(predicate, what, timeout_s, interval_s=0.05)
 
 
 @pytest.mark.timeout(90)

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import Launcher, Process, assert_quiescent, free_ports, rank_urls
+from .conftest import Launcher, Process, assert_quiescent, free_ports, poll_until, rank_urls
 
 G, B = 4, 8
 
@@ -29,13 +28,7 @@ def scrape(proxy: Process) -> dict[str, float]:
 
 
 def wait_for(predicate, what: str, timeout_s: float = 60.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+    return poll_until(predicate, what, timeout_s, interval_s=0.2)
 
 
 class Traffic:

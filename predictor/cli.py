@@ -77,6 +77,27 @@ def _load(text: str) -> float | str:
     return value
 
 
+GAMMA_DEFAULT = BalanceRouteParams().gamma
+TURNOVER_SCALE_DEFAULT = BalanceRouteParams().turnover_scale
+
+
+def _gamma_text(gamma: float | None) -> str:
+    return "turnover" if gamma is None else f"{gamma:g}"
+
+
+def _gamma(text: str) -> float | None:
+    if text == "turnover":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--gamma takes a number in (0, 1] or 'turnover': {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError("--gamma must be in (0, 1]")
+    return value
+
+
 def _step_cost(text: str) -> tuple[float, float]:
     try:
         return parse_step_cost(text)
@@ -118,7 +139,14 @@ def _add_ab(sub) -> None:
                     help="BR-H projects each slot emptied within the window as taken at once "
                     "by a request of the pool's mean prompt (when the pool outnumbers the free "
                     "slots); default off")
-    ab.add_argument("--gamma", type=float, default=0.86, help="BR-H discount (default 0.86)")
+    ab.add_argument("--gamma", type=_gamma, default=GAMMA_DEFAULT,
+                    help="BR-H per-step discount in (0, 1], or 'turnover': each round, the "
+                    "discount whose effective horizon is --turnover-scale times the steps "
+                    "between two admissions to one worker (default: "
+                    f"{_gamma_text(GAMMA_DEFAULT)})")
+    ab.add_argument("--turnover-scale", type=float, default=TURNOVER_SCALE_DEFAULT,
+                    help="with --gamma turnover: effective horizon in units of the steps "
+                    f"between admissions to a worker (default {TURNOVER_SCALE_DEFAULT:g})")
     ab.add_argument("--rmax", type=int, default=None,
                     help="Stage-2 candidates per worker (default: BR-0 min(4G, 64), BR-H 4)")
     ab.add_argument("--s-greedy", type=int, default=7,
@@ -251,6 +279,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         trace, args.policies, args.workers, config, Progress(not args.quiet),
         predictor_factory=factory,
         params=BalanceRouteParams(beta=args.beta, gamma=args.gamma, r_max=args.rmax,
+                                  turnover_scale=args.turnover_scale,
                                   s_greedy=args.s_greedy, stage1=args.stage1,
                                   candidate_life=args.candidate_life, refill=args.refill),
     )

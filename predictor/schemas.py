@@ -297,7 +297,8 @@ class GridPoint(BaseModel):
     horizon: Annotated[int, Field(strict=True, ge=1, le=4096)]
     beta: Annotated[float, Field(ge=0, le=1e6)] | None = Field(
         None, description="overflow weight; null: alpha * G (each step on BR-0's scale)")
-    gamma: Annotated[float, Field(gt=0, le=1)]
+    gamma: Annotated[float, Field(gt=0, le=1)] | Literal["turnover"] = Field(
+        description="per-step discount, or 'turnover': from the fleet's turnover each round")
 
 
 class TuningIn(ReplayIn):
@@ -327,7 +328,9 @@ class Recommendation(BaseModel):
     policy: Literal["br0", "brh"]
     horizon: int | None = None
     beta: float | None = None
-    gamma: float | None = None
+    gamma: float | Literal["turnover"] | None = Field(
+        None, description="per-step discount, or 'turnover': each round, the discount whose "
+        "effective horizon is the steps between two admissions to one worker")
     estimator: str | None = None
 
 

@@ -15,7 +15,8 @@ observations it holds, which are all in the past by construction.
 
 The recommendation is a small dict, the shape of ``/v1/status`` and of every contributions
 answer: ``{"policy": "br0"}`` or ``{"policy": "brh", "horizon", "beta", "gamma",
-"estimator"}``; :class:`~router_client.client.RouterClient` adopts it at a refresh.
+"estimator"}`` (``gamma`` a number or ``"turnover"``);
+:class:`~router_client.client.RouterClient` adopts it at a refresh.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .estimators import estimator_spec
 from .settings import Settings
 
 ProgressCallback = Callable[[float, str], None]
+TURNOVER = "turnover"  # gamma from the fleet's turnover each round (BalanceRouteParams gamma=None)
 
 
 @dataclass(frozen=True)
@@ -46,29 +48,43 @@ class Candidate:
     policy: str  # "br0" or "brh"
     horizon: int = 0
     beta: float | None = None
-    gamma: float | None = None
+    gamma: float | str | None = None  # a number, TURNOVER, or None: the base's
 
     @property
     def label(self) -> str:
         if self.policy == "br0":
             return "br0"
         beta = "G" if self.beta is None else f"{self.beta:g}"
-        return f"brh H={self.horizon} beta={beta} gamma={self.gamma:g}"
+        gamma = self.gamma if isinstance(self.gamma, str | None) else f"{self.gamma:g}"
+        return f"brh H={self.horizon} beta={beta} gamma={gamma}"
 
     def params(self, base: BalanceRouteParams) -> BalanceRouteParams:
         if self.policy == "br0":
             return base.as_br0()
         return replace(base, horizon=self.horizon, beta=self.beta,
-                       gamma=base.gamma if self.gamma is None else self.gamma)
+                       gamma=base.gamma if self.gamma is None else gamma_value(self.gamma))
 
 
-# Small on purpose: every candidate is a full replay. H spans a short lookahead, the paper's
-# and a long one, gamma a fast discount (effective horizon about 7 steps: only sharp
-# predictions pay) and a slow one (about 33 steps: a predictor that knows a request's length
-# only to within +-25% still says which requests end in the next few hundred steps); beta the
+def gamma_value(gamma: float | str | None) -> float | None:
+    """A recommendation's or grid point's ``gamma`` as :class:`BalanceRouteParams` takes it:
+    ``"turnover"`` (or null) is ``None``, the discount taken from the fleet's turnover."""
+    if gamma is None or gamma == TURNOVER:
+        return None
+    return float(gamma)
+
+
+# Small on purpose: every candidate is a full replay. The default discount from the fleet's
+# turnover (H 80 and 200; and with the paper's harsher overflow weight 43, which suits
+# uncertain predictions); fixed discounts as before: H a short lookahead, the paper's and a
+# long one, gamma a fast discount (effective horizon about 7 steps: only sharp predictions
+# pay) and a slow one (about 33 steps: a predictor that knows a request's length only to
+# within +-25% still says which requests end in the next few hundred steps); beta the
 # consistent alpha * G, plus the paper's deployment point (H 80, beta 43, gamma 0.86).
 DEFAULT_GRID: tuple[Candidate, ...] = (
     Candidate("br0"),
+    Candidate("brh", 80, None, TURNOVER),
+    Candidate("brh", 200, None, TURNOVER),
+    Candidate("brh", 80, 43.0, TURNOVER),
     *(Candidate("brh", h, None, g) for h in (20, 80, 200) for g in (0.86, 0.97)),
     Candidate("brh", 80, 43.0, 0.86),
 )
@@ -85,11 +101,16 @@ class TuningResult:
                 "evaluation": self.evaluation}
 
 
-def recommendation_of(candidate: Candidate, estimator: str) -> dict:
+def recommendation_of(candidate: Candidate, estimator: str,
+                      base: BalanceRouteParams | None = None) -> dict:
+    """The recommendation of ``candidate``; its ``gamma`` is a number or ``"turnover"``."""
     if candidate.policy == "br0":
         return {"policy": "br0"}
+    gamma = candidate.gamma
+    if gamma is None:
+        gamma = (base or BalanceRouteParams()).gamma
     return {"policy": "brh", "horizon": candidate.horizon, "beta": candidate.beta,
-            "gamma": candidate.gamma, "estimator": estimator}
+            "gamma": TURNOVER if gamma is None else gamma, "estimator": estimator}
 
 
 def parse_grid(items: Sequence[dict]) -> tuple[Candidate, ...]:
@@ -98,12 +119,13 @@ def parse_grid(items: Sequence[dict]) -> tuple[Candidate, ...]:
     grid = [Candidate("br0")]
     for number, item in enumerate(items):
         try:
-            horizon, gamma = int(item["horizon"]), float(item["gamma"])
+            horizon = int(item["horizon"])
+            gamma = item["gamma"] if item["gamma"] == TURNOVER else float(item["gamma"])
             beta = None if item.get("beta") is None else float(item["beta"])
         except (KeyError, TypeError, ValueError, AttributeError):
-            raise ParameterError(f"grid[{number}]", "needs numeric horizon and gamma (and "
-                                 "beta, or null for alpha * G)") from None
-        BalanceRouteParams(horizon=horizon, beta=beta, gamma=gamma)  # validates the ranges
+            raise ParameterError(f"grid[{number}]", "needs a numeric horizon, gamma a number "
+                                 "or 'turnover' (and beta, or null for alpha * G)") from None
+        BalanceRouteParams(horizon=horizon, beta=beta, gamma=gamma_value(gamma))  # ranges
         if horizon < 1:
             raise ParameterError(f"grid[{number}].horizon", "must be >= 1 (BR-0 is always in)")
         grid.append(Candidate("brh", horizon, beta, gamma))
@@ -161,7 +183,7 @@ def tune(trace: Trace, config: SimConfig, estimator: str = "exact_match",
     if best["policy"] != "br0" and best["throughput_tok_s"] >= (
             1.0 + min_gain) * br0_row["throughput_tok_s"]:
         chosen = Candidate("brh", best["horizon"], best["beta"], best["gamma"])
-    result = TuningResult(ranked, recommendation_of(chosen, estimator))
+    result = TuningResult(ranked, recommendation_of(chosen, estimator, base))
     if holdout > 0:
         later = trace.take(np.arange(split, len(trace)))  # replays shift times to 0
         result.evaluation = [

@@ -67,7 +67,10 @@ class BalanceRouteParams:
         horizon: ``H``, lookahead steps; 0 makes the policy BR-0.
         alpha: weight of the fill benefit.
         beta: weight of the overflow penalty; ``None`` means ``alpha * G`` (for BR-0: ``G``).
-        gamma: per-step discount in (0, 1].
+        gamma: per-step discount in (0, 1]; ``None``: from the fleet's turnover each round
+            (:func:`turnover_gamma`).
+        turnover_scale: with ``gamma=None``, the effective horizon ``1 / (1 - gamma)`` is this
+            many times the steps between two admissions to one worker.
         r_max: Stage-2 candidates per worker (the first ``r_max`` of the pool); ``None``
             (default): the first ``min(4G, 64)`` (the peer's whole 4G window, capped for
             the router's time budget; measured, see the README), for BR-H too: with the
@@ -89,7 +92,8 @@ class BalanceRouteParams:
     horizon: int = 80
     alpha: float = 1.0
     beta: float | None = None
-    gamma: float = 0.86
+    gamma: float | None = None
+    turnover_scale: float = 0.7
     r_max: int | None = None
     s_greedy: int = 7
     stage1_candidates: int = 1024
@@ -106,8 +110,10 @@ class BalanceRouteParams:
             raise ParameterError("alpha", "must be > 0")
         if self.beta is not None and self.beta < 0:
             raise ParameterError("beta", "must be >= 0")
-        if not 0.0 < self.gamma <= 1.0:
-            raise ParameterError("gamma", "must be in (0, 1]")
+        if self.gamma is not None and not 0.0 < self.gamma <= 1.0:
+            raise ParameterError("gamma", "must be in (0, 1] (or None: from the turnover)")
+        if not self.turnover_scale > 0:
+            raise ParameterError("turnover_scale", "must be > 0")
         if self.r_max is not None and self.r_max < 1:
             raise ParameterError("r_max", "must be >= 1")
         if self.s_greedy < 0:
@@ -175,7 +181,7 @@ def build_table(fleet: FleetView, params: BalanceRouteParams,
         if params.horizon > 0:
             raise ValueError("BR-H needs c_hat for every active request")
         loads = fleet.loads.astype(np.float64)[:, None]
-        return MarginTable(loads, discounts(0, params.gamma), params.alpha, beta)
+        return MarginTable(loads, discounts(0, 1.0), params.alpha, beta)
     if fleet.active_p_fin is not None and fleet.active_mu_rem is not None:
         loads = mixture_loads(fleet.workers, params.horizon, fleet.active_worker,
                               fleet.active_size, fleet.active_p_fin, fleet.active_mu_rem,
@@ -183,7 +189,31 @@ def build_table(fleet: FleetView, params: BalanceRouteParams,
     else:
         loads = projected_loads(fleet.workers, params.horizon, fleet.active_worker,
                                 fleet.active_size, fleet.active_c_hat, refill=refill)
-    return MarginTable(loads, discounts(params.horizon, params.gamma), params.alpha, beta)
+    gamma = params.gamma
+    if gamma is None:
+        gamma = turnover_gamma(fleet, params.horizon, params.turnover_scale)
+    return MarginTable(loads, discounts(params.horizon, gamma), params.alpha, beta)
+
+
+def turnover_gamma(fleet: FleetView, horizon: int, scale: float = 1.0) -> float:
+    """The discount whose effective horizon ``1 / (1 - gamma)`` is ``scale`` times the steps
+    between two admissions to one worker, clipped to [2, H] steps.
+
+    Whatever a round decides about a worker is corrected at that worker's next admission; the
+    projection past it is of a fleet the router will have changed. The steps between two
+    admissions to a worker are ``G * H / n`` with ``n`` the completions expected within the
+    window (in steady state admissions match completions): ``sum(p_fin)`` when the predictor
+    gives it, else the requests whose ``c_hat`` is below H.
+    """
+    if fleet.active_p_fin is not None:
+        ending = float(np.clip(fleet.active_p_fin, 0.0, 1.0).sum())
+    elif fleet.active_c_hat is not None:
+        ending = float((np.asarray(fleet.active_c_hat) < horizon).sum())
+    else:
+        ending = 0.0
+    steps = fleet.workers * horizon / ending if ending > 0 else float("inf")
+    effective = min(max(scale * steps, 2.0), float(max(horizon, 2)))
+    return 1.0 - 1.0 / effective
 
 
 def route_round(
@@ -224,6 +254,8 @@ class _Round:
         if params.refill and params.horizon > 0 and len(pool) > self.total_free:
             refill = float(self.sizes[: params.stage1_candidates].mean())
         self.table = build_table(fleet, params, refill)
+        if params.horizon > 0:
+            stats.extra["gamma"] = float(self.table.d[1])
         self.rows: np.ndarray | None = None
         if params.candidate_life and params.horizon > 0:
             pool_c_hat = fleet.pool_c_hat

@@ -164,7 +164,7 @@ class RouterClient:
                 beta = advice.get("beta")  # None: alpha * G
                 params = replace(self.params, horizon=int(advice["horizon"]),
                                  beta=None if beta is None else float(beta),
-                                 gamma=float(advice["gamma"]))
+                                 gamma=_gamma(advice.get("gamma")))
             else:
                 raise ParameterError("policy", f"unknown policy {advice.get('policy')!r}")
         except (KeyError, TypeError, ValueError) as exc:
@@ -191,3 +191,10 @@ class RouterClient:
             [o["prompt_key"] for o in outcomes],
             [o["finish_reason"] for o in outcomes],
         ))
+
+
+def _gamma(value: object) -> float | None:
+    """A recommendation's ``gamma``: a number, or ``"turnover"`` (``None`` in the params)."""
+    if value is None or value == "turnover":
+        return None
+    return float(value)  # type: ignore[arg-type]

@@ -222,6 +222,7 @@ class MetricsCollector:
         self.finish_clock = np.full(n, np.nan)
         self.finish_step = np.full(n, -1, dtype=np.int64)
         self.guard_admissions = 0
+        self.gammas: list[float] = []  # BR-H's discount per round (turnover: it varies)
         self.fallback_rounds: list[int] = []
         self.last_admission_step = -1
         self.completed = 0
@@ -262,6 +263,7 @@ class MetricsCollector:
             **self._latencies(outputs),
             "starvation_guard_admissions": self.guard_admissions,
             "fallback_steps": len(self.fallback_rounds),
+            "gamma_mean": float(np.mean(self.gammas)) if self.gammas else None,
             "drain_steps": drain, "makespan_s": clock, "routing_steps": int(steps_in_window),
         }
 
@@ -382,6 +384,8 @@ class Simulation:
             if view.active_c_hat is None:
                 self.metrics.fallback_rounds.append(self.step)
         decision = self.policy.route(view, visible)
+        if "gamma" in decision.stats.extra:
+            self.metrics.gammas.append(decision.stats.extra["gamma"])
         if not decision.assignments:
             return
         taken: set[int] = set()

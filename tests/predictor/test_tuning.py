@@ -13,6 +13,7 @@ from predictor.app import create_app
 from predictor.cli import main
 from predictor.settings import Settings
 from predictor.tuning import DEFAULT_GRID, Candidate, parse_grid, tune
+from router_client.admission import BalanceRouteParams
 from router_client.client import RouterClient, RouterConfig
 from router_client.errors import ParameterError
 from router_client.predictors import Prediction
@@ -53,6 +54,22 @@ def test_grid_validation():
         parse_grid([{"beta": 10}])
     with pytest.raises(ParameterError, match="gamma"):
         parse_grid([{"horizon": 10, "beta": 5, "gamma": 2}])
+    with pytest.raises(ParameterError, match="gamma"):
+        parse_grid([{"horizon": 10, "gamma": "slow"}])
+
+
+def test_turnover_gamma_in_the_grid_and_the_recommendation():
+    grid = parse_grid([{"horizon": 20, "gamma": "turnover"}])
+    assert grid[1] == Candidate("brh", 20, None, "turnover")
+    assert grid[1].label == "brh H=20 beta=G gamma=turnover"
+    assert grid[1].params(BalanceRouteParams(gamma=0.5)).gamma is None
+    trace = synthesize("synth:long:n=300,seed=1")
+    result = tune(trace, SimConfig(workers=2, batch=8, load="backlog"), grid=grid,
+                  min_gain=-1.0)  # BR-H is taken whatever it scores
+    assert result.recommendation == {"policy": "brh", "horizon": 20, "beta": None,
+                                     "gamma": "turnover", "estimator": "exact_match"}
+    row = next(r for r in result.rows if r["policy"] != "br0")
+    assert 0.5 <= row["gamma_mean"] < 1.0
 
 
 def test_tune_command(tmp_path):
@@ -63,7 +80,8 @@ def test_tune_command(tmp_path):
     result = json.loads(out.read_text())
     assert result["recommendation"]["policy"] in ("br0", "brh")
     assert len(result["rows"]) == len(DEFAULT_GRID) and result["evaluation"]
-    assert "brh H=20 beta=G gamma=0.86" in {r["setting"] for r in result["rows"]}
+    settings = {r["setting"] for r in result["rows"]}
+    assert {"brh H=20 beta=G gamma=0.86", "brh H=80 beta=G gamma=turnover"} <= settings
 
 
 def wait(client, path, seconds=120):
@@ -142,3 +160,8 @@ def test_router_client_adopts_the_recommendation_at_a_refresh():
     for step in range(11, 21):
         router.tick(now=float(step))
     assert router.policy.name == "br0"  # an advice it cannot follow is ignored
+    predictor.advice = {"policy": "brh", "horizon": 80, "beta": None, "gamma": "turnover",
+                        "estimator": "exact_match"}
+    for step in range(21, 31):
+        router.tick(now=float(step))
+    assert router.policy.name == "brh" and router.policy.params.gamma is None

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router_client.admission import BalanceRouteParams, route_round
+from router_client.admission import BalanceRouteParams, route_round, turnover_gamma
 from router_client.errors import ParameterError, UnknownPolicyError
 from router_client.fleet import FleetView, WaitingRequest
 from router_client.policies import BalanceRoutePolicy, make_policy
@@ -72,7 +72,43 @@ def test_br0_forces_beta_equal_to_G():
     assert BalanceRouteParams.br0().effective_beta(16) == 16.0
 
 
+def turnover_fleet(c_hat, p_fin=None):
+    worker = np.array([0, 0, 1, 1])
+    fleet = FleetView.from_active(2, 8, worker, np.full(4, 100.0), np.asarray(c_hat, float))
+    if p_fin is None:
+        return fleet
+    return FleetView(fleet.capacity, fleet.loads, fleet.active_counts, fleet.active_worker,
+                     fleet.active_size, fleet.active_c_hat, None, np.asarray(p_fin, float),
+                     np.full(4, 2.0))
+
+
+def test_turnover_gamma_hand_worked():
+    # G = 2, H = 10: two of four requests end within the window, so 2 admissions in 10
+    # steps over 2 workers: one per worker every 10 steps -> effective horizon 10, gamma 0.9.
+    fleet = turnover_fleet([3, 10, 10, 5])
+    assert turnover_gamma(fleet, 10) == pytest.approx(0.9)
+    assert turnover_gamma(fleet, 10, scale=0.5) == pytest.approx(0.8)  # 5 steps
+    # with p_fin the expected count of endings is its sum (here 0.5 + 0.5 + 0 + 0 = 1):
+    # 20 steps, capped at H = 10
+    assert turnover_gamma(turnover_fleet([3, 10, 10, 5], [0.5, 0.5, 0, 0]), 10,
+                          scale=0.25) == pytest.approx(0.8)
+    # nothing ends: capped at H; everything ends fast: floored at 2 steps
+    assert turnover_gamma(turnover_fleet([10, 10, 10, 10]), 10) == pytest.approx(0.9)
+    assert turnover_gamma(turnover_fleet([1, 1, 1, 1]), 80, scale=0.01) == pytest.approx(0.5)
+
+
+def test_turnover_discount_is_used_and_reported():
+    rng = np.random.default_rng(5)
+    fleet, pool = random_fleet(rng, 4, 8), random_pool(rng, 20)
+    params = BalanceRouteParams(gamma=None, turnover_scale=1.5)
+    _, stats = route_round(fleet, pool, params)
+    assert stats.extra["gamma"] == pytest.approx(turnover_gamma(fleet, 80, 1.5))
+    fixed = route_round(fleet, pool, BalanceRouteParams(gamma=stats.extra["gamma"]))
+    assert fixed[0] == route_round(fleet, pool, params)[0]
+
+
 @pytest.mark.parametrize("field, value", [("gamma", 0.0), ("gamma", 1.5), ("r_max", 0),
+                                          ("turnover_scale", 0.0),
                                           ("horizon", -1), ("stage1", "nope"), ("alpha", 0.0)])
 def test_params_validation_names_the_field(field, value):
     with pytest.raises(ParameterError, match=field):

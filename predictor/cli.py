@@ -148,7 +148,7 @@ def _add_ab(sub) -> None:
                     help="with --gamma turnover: effective horizon in units of the steps "
                     f"between admissions to a worker (default {TURNOVER_SCALE_DEFAULT:g})")
     ab.add_argument("--rmax", type=int, default=None,
-                    help="Stage-2 candidates per worker (default: BR-0 min(4G, 64), BR-H 4)")
+                    help="Stage-2 candidates per worker (default min(4G, 64), BR-0 and BR-H)")
     ab.add_argument("--s-greedy", type=int, default=7,
                     help="Stage 1 runs while more slots than this are free (default 7)")
     ab.add_argument("--stage1", default="auto", choices=["auto", "paper", "best-pair"],
@@ -199,7 +199,7 @@ def _add_bench(sub) -> argparse._SubParsersAction:
     router = bench_sub.add_parser("router", help="time full BR-H scheduling rounds")
     router.add_argument("--workers", type=int, default=8)
     router.add_argument("--rmax", type=int, default=None,
-                        help="Stage-2 window (default: BR-0 min(4G, 64), BR-H 4)")
+                        help="Stage-2 window (default min(4G, 64), BR-0 and BR-H)")
     router.add_argument("--pool", type=int, default=256)
     router.add_argument("--batch", type=int, default=64)
     router.add_argument("--horizon", type=int, default=80,

@@ -209,6 +209,8 @@ class Dispatcher:
                 metrics.admissions.labels("stage2").inc(stats.stage2_admissions)
             if stats.starvation_guard_admissions:
                 metrics.guard.inc(stats.starvation_guard_admissions)
+            if "gamma" in stats.extra:
+                metrics.gamma.set(stats.extra["gamma"])
         for request_id, rank in dispatches:
             entry = self.pending.resolve(request_id, rank)
             if entry is None:  # its handler is gone: the slot must not stay taken

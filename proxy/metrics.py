@@ -57,6 +57,10 @@ class ProxyMetrics:
         self.stage_latency = Histogram("balanceroute_proxy_router_stage_seconds",
                                        "time per admission stage in a round", ["stage"],
                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.gamma = Gauge("balanceroute_proxy_brh_gamma",
+                           "BR-H's per-step discount in the last round that used predictions "
+                           "(with gamma 'turnover' it follows the fleet's turnover)",
+                           registry=r)
         self.fallback_rounds = Counter("balanceroute_proxy_fallback_rounds_total",
                                        "BR-H rounds routed as BR-0 (no usable predictions)",
                                        registry=r)

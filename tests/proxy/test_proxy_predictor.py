@@ -77,6 +77,13 @@ def _brh_active(proxy: Process, want: float):
     return check
 
 
+def _gamma_set(proxy: Process):
+    def check():
+        gamma = scrape(proxy).get("balanceroute_proxy_brh_gamma{}", 0.0)
+        return gamma if gamma > 0 else None
+    return check
+
+
 def _switches(metrics: dict[str, float], to: str) -> float:
     return sum(v for k, v in metrics.items()
                if k.startswith("balanceroute_router_fallback_switches_total{") and f"to={to}" in k)
@@ -102,6 +109,8 @@ def test_service_killed_mid_run_falls_back_to_br0_and_returns(launcher: Launcher
     try:
         # BR-H with live predictions
         wait_for(lambda: traffic.done and _brh_active(proxy, 1.0)(), "BR-H with predictions")
+        # the default discount follows the fleet's turnover: a real discount, 0.5 <= gamma < 1
+        assert 0.5 <= wait_for(_gamma_set(proxy), "a BR-H round's discount") < 1.0
         service.kill()
         down = wait_for(_brh_active(proxy, 0.0), "the switch to BR-0")
         assert _switches(down, "br0") >= 1

@@ -163,8 +163,8 @@ def code_rows(chunks: Iterable[Sequence], state: KeyState) -> Rows:
         parts[2].append(np.fromiter(map(index.__getitem__, keys), np.int64, n))
         parts[3].append(np.fromiter([r[3] for r in rows], np.int64, n))
         parts[4].append(np.fromiter([r[4] for r in rows], bool, n))
-    columns = [np.concatenate(p) if p else _ints() for p in parts]
-    return Rows(*columns[:4], columns[4].astype(bool),
+    ids, batch, code, output, censored = (np.concatenate(p) if p else _ints() for p in parts)
+    return Rows(ids, batch, code, output, censored.astype(bool),
                 [key for key in index if key is not None])
 
 

@@ -420,18 +420,20 @@ def snapshot_point(session: Session, replay: int) -> int:
     return store.batch_start(session=session, upto_id=newest - replay)
 
 
-def write_snapshot(session: Session, settings: Settings) -> int | None:
+def write_snapshot(session: Session, settings: Settings, awaited: int | None = None
+                   ) -> int | None:
     """Write a snapshot of the state as of :func:`snapshot_point` if the newest one covers
     ``SNAPSHOT_EVERY`` or more fewer observations; returns the id it covers, or None (not
-    due, or another replica is writing one). Only the database and this function's own arrays
-    are touched, never the service's learners or locks."""
+    due, another replica is writing one, or ``awaited``, an id that may still commit late,
+    is not above it). Only the database and this function's own arrays are touched, never
+    the service's learners or locks."""
     every = settings.snapshot_every
     if every <= 0 or not store.try_snapshot_lock(session=session):
         return None
     params = KeyParams.of(settings)
     upto = snapshot_point(session, settings.replay_observations)
     newest = store.newest_snapshot(session=session, fmt=SNAPSHOT_FORMAT, params=params.text())
-    if upto - newest < every:
+    if upto - newest < every or (awaited is not None and awaited <= upto):
         return None
     state, _ = restore(session, upto, params)
     data = encode(state, params)

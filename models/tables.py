@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, Boolean, DateTime, Float, Index, Integer, String, Text
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # SQLite only autoincrements INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
@@ -87,3 +97,19 @@ class AbJob(Base):
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
     __table_args__ = (Index("ix_ab_jobs_kind_status", "kind", "status"),)
+
+
+class LearnerSnapshot(Base):
+    """The learners' per-key state as of an observation id (``upto_id``: every observation up
+    to it is in it), so a restart reads it and the observations after it instead of every
+    stored row (:mod:`predictor.snapshots`). ``format`` and ``params`` (JSON) say how it was
+    made; one of another format or parameters is not used. The newest few are kept."""
+
+    __tablename__ = "learner_snapshots"
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    upto_id: Mapped[int] = mapped_column(BigInteger, unique=True, nullable=False)
+    format: Mapped[int] = mapped_column(Integer, nullable=False)
+    params: Mapped[str] = mapped_column(Text, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    data: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)

@@ -20,7 +20,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from . import store
+from . import snapshots, store
 from .calibration import CalibrationTracker, DriftMonitor, Scored, sampled
 from .estimators import Estimate, Estimator, Features, Outcomes, estimator_specs
 from .estimators.base import observe_running
@@ -30,6 +30,7 @@ CENSORING_REASONS = ("length", "cancelled", "error")
 TAIL_CHUNK = 20_000  # observations read per query while tailing
 GAP_WAIT = 30.0  # seconds a skipped observation id is looked for again
 MAX_GAPS = 100_000
+SNAPSHOT_CHECK = 30.0  # seconds between two checks whether a snapshot is due
 
 log = logging.getLogger("balanceroute.service")
 
@@ -64,6 +65,7 @@ class PredictorService:
         self._gaps: dict[int, float] = {}  # observation ids skipped while tailing -> when
         self._stop = threading.Event()
         self._tailer: threading.Thread | None = None
+        self._snapshotter: threading.Thread | None = None
         self._reset_learners()
 
     def _reset_learners(self) -> None:
@@ -126,21 +128,25 @@ class PredictorService:
             self.loaded = True
 
     def _replay(self, session: Session) -> None:
-        """The newest ``replay_observations`` observations are replayed in full, batch by
-        batch with the fits on the same schedule as when they were ingested (with fewer
-        stored, a restart answers exactly as before). Older ones only matter to the per-key
-        state: each key's newest ``exact_match_bucket_window`` outcomes are replayed into
-        ExactMatch's buckets, and the hazard model's per-key sums are read as aggregates
-        (:meth:`_replay_keys`)."""
-        newest = store.latest_observation_id(session=session)
+        """The newest ``replay_observations`` observations (from the start of the batch that
+        holds the oldest of them) are replayed in full, batch by batch with the fits on the
+        same schedule as when they were ingested (with fewer stored, a restart answers exactly
+        as before). Older ones only matter to the per-key state, read from the newest
+        snapshot and the rows after it (:func:`snapshots.restore`)."""
         for estimator in self.estimators.values():
             if hasattr(estimator, "refresh_deferred"):
                 estimator.defer_refresh = True  # type: ignore[attr-defined]
-        keep = self.settings.replay_observations
-        start = max(0, newest - keep) if keep else 0
+        start = snapshots.snapshot_point(session, self.settings.replay_observations)
         if start:
-            self._replay_keys(session, start)
-            self.observations = store.count_observations(session=session, upto_id=start)
+            began = time.perf_counter()
+            state, base = snapshots.restore(session, start, snapshots.KeyParams.of(self.settings))
+            for estimator in self.estimators.values():
+                if hasattr(estimator, "load_key_state"):
+                    estimator.load_key_state(state)
+            self.observations = state.observations
+            log.info("per-key state of the observations up to %d: snapshot up to %d and %d "
+                     "rows after it, %.2f s", start, base, start - base,
+                     time.perf_counter() - began)
         self.last_id = start
         pending: list = []
         for rows in store.observations_in_order(session=session, after_id=start):
@@ -156,37 +162,15 @@ class PredictorService:
                 if hasattr(estimator, finish):
                     getattr(estimator, finish)()
 
-    def _replay_keys(self, session: Session, upto_id: int) -> None:
-        """The per-key state of the observations up to ``upto_id``, from one scan of their
-        keys and lengths: each key's newest ``exact_match_bucket_window`` outcomes
-        (``learn_keys``), and all-time per-key sums (``load_key_statistics``)."""
-        keys: list[str] = []
-        lengths, censored = [], []
-        for rows in store.keyed_outcomes(session=session, upto_id=upto_id):
-            keys.extend(r[1] for r in rows)
-            lengths.append(np.fromiter((r[2] for r in rows), np.int64, len(rows)))
-            censored.append(np.fromiter((r[3] for r in rows), bool, len(rows)))
-        if not keys:
-            return
-        output, cut = np.concatenate(lengths), np.concatenate(censored)
-        index: dict[str, int] = {}
-        code = np.fromiter((index.setdefault(k, len(index)) for k in keys), np.int64, len(keys))
-        names = list(index)
-        order = np.argsort(code, kind="stable")  # by key, then in id order
-        starts = np.searchsorted(code[order], np.arange(len(names)))
-        ends = np.append(starts[1:], order.size)
-        from_end = np.repeat(ends, ends - starts) - np.arange(order.size) - 1
-        newest = np.sort(order[from_end < self.settings.exact_match_bucket_window])
-        outcomes = Outcomes.of(output[newest], cut[newest], [keys[i] for i in newest])
-        sums = None
-        for estimator in self.estimators.values():
-            if hasattr(estimator, "learn_keys"):
-                estimator.learn_keys(outcomes)
-            if hasattr(estimator, "load_key_statistics"):
-                if sums is None:
-                    sums = _key_sums(code, output, cut, names)
-                estimator.load_key_statistics(
-                    sums, store.ended_log_total(session=session, upto_id=upto_id))
+    def write_snapshot(self) -> int | None:
+        """Write a snapshot of the per-key state for later restarts if one is due (see
+        :func:`snapshots.write_snapshot`); returns the observation id it covers, or None.
+        Reads the database and builds its own arrays: neither the learners nor their lock
+        are touched, so queries and ingestion go on meanwhile. Not while an id it would cover
+        may still commit late (PostgreSQL, see :meth:`_note_gaps`)."""
+        awaited = min(list(self._gaps), default=None)  # a copy: the tailer changes it
+        with self.session() as session:
+            return snapshots.write_snapshot(session, self.settings, awaited)
 
     def _apply(self, rows: list) -> None:
         """Learn from rows shaped like :func:`store.observations_in_order`'s."""
@@ -305,26 +289,35 @@ class PredictorService:
             self.model_version = max(self.model_version, max(int(r[1]) for r in rows))
 
     def start_tailing(self) -> None:
-        """Poll the observations table every ``replica_poll_interval`` seconds (0: never), on a
-        daemon thread: a replica learns what the others ingested within about that long."""
+        """Poll the observations table every ``replica_poll_interval`` seconds (0: never), and
+        check every ``SNAPSHOT_CHECK`` seconds whether a snapshot is due (``snapshot_every``,
+        0: never), each on a daemon thread: a replica learns what the others ingested within
+        about that long."""
         interval = self.settings.replica_poll_interval
-        if interval <= 0 or self._tailer is not None:
-            return
+        if interval > 0 and self._tailer is None:
+            self._tailer = self._every(interval, self.catch_up, "replica-tail",
+                                       "tailing the observations table failed")
+        if self.settings.snapshot_every > 0 and self._snapshotter is None:
+            self._snapshotter = self._every(SNAPSHOT_CHECK, self.write_snapshot,
+                                            "learner-snapshot", "writing a snapshot failed")
 
+    def _every(self, interval: float, work, name: str, failed: str) -> threading.Thread:
         def loop() -> None:
             while not self._stop.wait(interval):
                 try:
-                    self.catch_up()
+                    work()
                 except Exception:  # the database is away: try again at the next tick
-                    log.warning("tailing the observations table failed", exc_info=True)
+                    log.warning(failed, exc_info=True)
 
-        self._tailer = threading.Thread(target=loop, name="replica-tail", daemon=True)
-        self._tailer.start()
+        thread = threading.Thread(target=loop, name=name, daemon=True)
+        thread.start()
+        return thread
 
     def stop_tailing(self) -> None:
         self._stop.set()
-        if self._tailer is not None:
-            self._tailer.join(timeout=5)
+        for thread in (self._tailer, self._snapshotter):
+            if thread is not None:
+                thread.join(timeout=5)
 
     def _schedule_fits(self) -> None:
         """Run due model fits on the fitter thread: neither ingestion nor queries wait for
@@ -478,21 +471,6 @@ class PredictorService:
     @property
     def uptime_s(self) -> float:
         return time.monotonic() - self.started
-
-
-def _key_sums(code: np.ndarray, output: np.ndarray, censored: np.ndarray,
-              names: list[str]) -> list[tuple[str, int, int, float]]:
-    """Per key: (key, count, ended, sum of ln(1 + output) over the ended), the most
-    recently seen key last."""
-    n = len(names)
-    ended = ~censored
-    count = np.bincount(code, minlength=n)
-    ends = np.bincount(code, weights=ended, minlength=n)
-    logs = np.bincount(code, weights=np.where(ended, np.log1p(output), 0.0), minlength=n)
-    last = np.zeros(n, dtype=np.int64)
-    np.maximum.at(last, code, np.arange(code.size))
-    return [(names[k], int(count[k]), int(ends[k]), float(logs[k]))
-            for k in np.argsort(last).tolist()]
 
 
 def _outcomes(rows) -> Outcomes:

@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     replay_observations: int = Field(
         20_000, ge=0, description="newest observations a restart replays in full (older ones "
         "only for the prompt keys' newest outcomes); 0: every stored observation")
+    snapshot_every: int = Field(
+        100_000, ge=0, description="observations between two snapshots of the learners' "
+        "per-key state written to the database (a restart reads the newest and the rows after "
+        "it instead of every stored row); 0: none")
     replica_poll_interval: float = Field(
         1.0, ge=0.0, le=3600.0, description="seconds between two reads of the observations "
         "table for what other replicas ingested (0: never)")

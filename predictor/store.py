@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
 from importlib.resources import files
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, case, create_engine, delete, event, func, insert, select, text
+from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, text
 from sqlalchemy.orm import Session
 
-from models import Observation, ScoredPrediction
+from models import LearnerSnapshot, Observation, ScoredPrediction
 
 # SQLite allows 32766 bound parameters per statement in current builds, 999 in old ones.
 IN_CHUNK = 900
 MIGRATION_LOCK = 0x42524D47  # the PostgreSQL advisory lock key of migrations ("BRMG")
+SNAPSHOT_LOCK = 0x42525353  # ... of writing a learner snapshot ("BRSS")
 
 
 def make_engine(url: str) -> Engine:
@@ -107,39 +109,45 @@ def observations_in_order(*, session: Session, chunk: int = 20000,
     return _in_id_order(session, _OBSERVATION_COLUMNS, chunk, after_id)
 
 
-def keyed_outcomes(*, session: Session, upto_id: int, chunk: int = 100_000
-                   ) -> Iterator[Sequence]:
-    """(id, prompt_key, output_tokens, censored) of the observations with a prompt key and an
-    id up to ``upto_id``, in id order, ``chunk`` at a time (what a restart needs of the
-    observations it does not replay)."""
-    last_id = 0
+def keyed_rows(*, session: Session, after_id: int, upto_id: int, chunk: int = 100_000
+               ) -> Iterator[Sequence]:
+    """(id, batch, prompt_key, output_tokens, censored) of the observations with an id above
+    ``after_id`` and up to ``upto_id``, in id order, ``chunk`` at a time (what a restart
+    needs of the observations it does not replay). Plain tuples from the driver's cursor:
+    a restart without a snapshot reads every stored row, and SQLAlchemy's row objects would
+    take most of its time; ``censored`` is the driver's (0 or 1 on SQLite)."""
+    connection = session.connection()
+    last_id = after_id
     while True:
-        rows = session.connection().execute(
-            select(Observation.id, Observation.prompt_key, Observation.output_tokens,
-                   Observation.censored)
-            .where(Observation.id > last_id, Observation.id <= upto_id,
-                   Observation.prompt_key.is_not(None))
-            .order_by(Observation.id).limit(chunk)).all()
+        query = (select(Observation.id, Observation.batch, Observation.prompt_key,
+                        Observation.output_tokens, Observation.censored)
+                 .where(Observation.id > int(last_id), Observation.id <= int(upto_id))
+                 .order_by(Observation.id).limit(chunk))
+        sql = str(query.compile(dialect=connection.dialect,
+                                compile_kwargs={"literal_binds": True}))  # integers only
+        cursor = connection.connection.cursor()
+        try:
+            cursor.execute(sql)
+            rows = cursor.fetchall()
+        finally:
+            cursor.close()
         if not rows:
             return
         last_id = rows[-1][0]
         yield rows
 
 
-def ended_log_total(*, session: Session, upto_id: int) -> tuple[int, float]:
-    """Over the observations with an id up to ``upto_id`` (with or without a key): how many
-    ended, and the sum of ``ln(1 + output)`` over those."""
-    ended = ~Observation.censored
-    total = session.connection().execute(
-        select(func.sum(case((ended, 1), else_=0)),
-               func.sum(case((ended, func.ln(Observation.output_tokens + 1.0)), else_=0.0)))
-        .where(Observation.id <= upto_id)).one()
-    return int(total[0] or 0), float(total[1] or 0.0)
-
-
-def count_observations(*, session: Session, upto_id: int) -> int:
-    return int(session.scalar(select(func.count()).select_from(Observation)
-                              .where(Observation.id <= upto_id)) or 0)
+def batch_start(*, session: Session, upto_id: int) -> int:
+    """The newest id up to ``upto_id`` that ends a batch: the batch holding ``upto_id + 1``
+    starts after it (0: it is the first)."""
+    following = session.execute(select(Observation.batch).where(Observation.id > upto_id)
+                                .order_by(Observation.id).limit(1)).scalar()
+    if following is None:
+        return upto_id
+    before = session.execute(
+        select(Observation.id).where(Observation.id <= upto_id, Observation.batch != following)
+        .order_by(Observation.id.desc()).limit(1)).scalar()
+    return int(before or 0)
 
 
 def observations_after(*, session: Session, after_id: int, limit: int = 20000) -> Sequence:
@@ -182,3 +190,44 @@ def scored_in_order(*, session: Session, chunk: int = 20000) -> Iterator[Sequenc
                                   ScoredPrediction.ended, ScoredPrediction.realized,
                                   ScoredPrediction.hit, ScoredPrediction.scored_at,
                                   ScoredPrediction.request_id), chunk)
+
+
+# -- learner snapshots (predictor.snapshots) --------------------------------------------------
+def try_snapshot_lock(*, session: Session) -> bool:
+    """On PostgreSQL, take the snapshot writers' advisory lock for this transaction if no
+    other replica holds it (False: one does); elsewhere True (a duplicate write is refused
+    by the unique ``upto_id`` and is harmless)."""
+    if session.get_bind().dialect.name != "postgresql":
+        return True
+    return bool(session.execute(text("SELECT pg_try_advisory_xact_lock(:key)"),
+                                {"key": SNAPSHOT_LOCK}).scalar())
+
+
+def snapshot_index(*, session: Session, upto_id: int) -> list[tuple[int, int, int]]:
+    """(id, upto_id, format) of the snapshots covering at most ``upto_id``, newest first."""
+    return [(int(r[0]), int(r[1]), int(r[2])) for r in session.execute(
+        select(LearnerSnapshot.id, LearnerSnapshot.upto_id, LearnerSnapshot.format)
+        .where(LearnerSnapshot.upto_id <= upto_id)
+        .order_by(LearnerSnapshot.upto_id.desc())).all()]
+
+
+def snapshot_data(*, session: Session, snapshot_id: int) -> bytes:
+    return bytes(session.execute(select(LearnerSnapshot.data)
+                                 .where(LearnerSnapshot.id == snapshot_id)).scalar_one())
+
+
+def newest_snapshot(*, session: Session, fmt: int, params: str) -> int:
+    """The newest id a snapshot of this format and these parameters covers (0: none)."""
+    return int(session.scalar(
+        select(func.coalesce(func.max(LearnerSnapshot.upto_id), 0))
+        .where(LearnerSnapshot.format == fmt, LearnerSnapshot.params == params)) or 0)
+
+
+def insert_snapshot(*, session: Session, upto_id: int, fmt: int, params: str, data: bytes,
+                    keep: int) -> None:
+    """Store a snapshot and drop all but the newest ``keep`` (by the id they cover)."""
+    session.execute(insert(LearnerSnapshot), [{
+        "upto_id": upto_id, "format": fmt, "params": params, "data": data,
+        "created_at": datetime.now(UTC)}])
+    kept = select(LearnerSnapshot.upto_id).order_by(LearnerSnapshot.upto_id.desc()).limit(keep)
+    session.execute(delete(LearnerSnapshot).where(LearnerSnapshot.upto_id.not_in(kept)))

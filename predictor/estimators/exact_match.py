@@ -56,6 +56,7 @@ MIN_KEYS = 10
 BINS_PER_OCTAVE = 3
 BINS_KEPT = 64  # most recent ended observations per key used to estimate k
 KEYS_USED = 4096  # most recently updated keys used to estimate k
+REFRESH_EVERY = 500  # observations between two estimates of k
 
 
 def group_rows(keys: Sequence[str | None]) -> dict[str, list[int]]:
@@ -191,7 +192,7 @@ class ExactMatchEstimator(BaseEstimator):
 
     def __init__(self, window: int = 5000, min_support: int = 1, max_buckets: int = 100_000,
                  bucket_window: int = 256, prior_weight: float = 1.0,
-                 estimate_weight: bool = True, refresh_every: int = 500,
+                 estimate_weight: bool = True, refresh_every: int = REFRESH_EVERY,
                  max_bytes: int = 64 << 20, cache_bytes: int = 16 << 20) -> None:
         if min_support < 1:
             raise ValueError("min_support must be >= 1")
@@ -243,9 +244,26 @@ class ExactMatchEstimator(BaseEstimator):
         self.fallback_.partial_fit(outcomes)
         return self.learn_keys(outcomes)
 
+    def load_key_state(self, state) -> Self:
+        """Set the keys (least recently updated first, each with its newest outcomes and
+        ended bins) and the point of the refresh schedule from a
+        :class:`~predictor.snapshots.KeyState`: how a restart rebuilds what :meth:`learn_keys`
+        kept of the observations it does not replay."""
+        self.buckets_.clear()
+        self._steps.clear()
+        self.bytes_ = self.steps_bytes_ = 0
+        for key, durations, events, bins in state.buckets():
+            bucket = Bucket(self.bucket_window)
+            bucket.durations, bucket.events, bucket.bins = durations, events, bins
+            self.buckets_[key] = bucket
+            self.bytes_ += bucket.nbytes + len(key)
+        self._since_refresh = state.since_refresh
+        self.prior_weight_ = (self.prior_weight if state.prior_weight is None
+                              else state.prior_weight)
+        return self
+
     def learn_keys(self, outcomes: Outcomes) -> Self:
-        """The per-key part of :meth:`partial_fit` (the global curve left alone): how a
-        restart rebuilds the keys from their newest outcomes without replaying the rest."""
+        """The per-key part of :meth:`partial_fit` (the global curve left alone)."""
         events = outcomes.events
         bins = length_bin(outcomes.output_tokens)
         for key, rows in group_rows(outcomes.prompt_key).items():

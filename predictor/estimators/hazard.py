@@ -260,15 +260,16 @@ class HazardEstimator(BaseEstimator):
                 self._install(fitted)
         return self
 
-    def load_key_statistics(self, per_key: list, total: tuple[int, float]) -> Self:
-        """Set the per-key statistics :meth:`partial_fit` accumulates from their all-time
-        sums (``store.key_statistics``; the most recently seen key last): how a restart
-        rebuilds them without replaying every observation."""
+    def load_key_state(self, state) -> Self:
+        """Set the per-key statistics :meth:`partial_fit` accumulates (least recently updated
+        key first) and the global ended count and sum from a
+        :class:`~predictor.snapshots.KeyState`: how a restart rebuilds them without replaying
+        every observation."""
         table = self.keys_.table
         table.clear()
-        for key, count, ended, log_sum in per_key[-self.max_keys:]:
-            table[key] = [float(count), float(ended or 0), float(log_sum or 0.0)]
-        self.keys_.ended, self.keys_.total = total
+        for key, stats in state.key_statistics()[-self.max_keys:]:
+            table[key] = stats
+        self.keys_.ended, self.keys_.total = state.ended, state.total
         return self
 
     # A service must not hold the lock its queries take during a fit (about a second): it

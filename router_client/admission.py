@@ -30,7 +30,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import combinations
+from itertools import combinations, islice
 from math import comb
 from operator import attrgetter
 from time import perf_counter
@@ -223,15 +223,18 @@ def route_round(
     """One scheduling round of BR-H (or BR-0 when ``params.horizon == 0``).
 
     ``reference=True`` runs the pure-Python/numpy reference throughout; the default
-    (:data:`FAST_PATH`) takes BR-0's Stage 1 through :mod:`router_client.fastpath`, which makes
-    the same decisions."""
+    (:data:`FAST_PATH`) reads only the head of the pool that the round can reach
+    (:func:`reachable_head`) and takes BR-0's stages through :mod:`router_client.fastpath`,
+    which makes the same decisions."""
     started = perf_counter()
     stats = RoundStats(used_prediction=params.horizon > 0)
     free = fleet.free_slots.astype(np.int64).copy()
-    if not pool or int(free.sum()) <= 0:
+    total_free = int(free.sum())
+    if not pool or total_free <= 0:
         return [], stats
-    state = _Round(fleet, pool, params, free, stats)
     fast = FAST_PATH if reference is None else not reference
+    head = reachable_head(len(pool), params, fleet.workers, total_free) if fast else len(pool)
+    state = _Round(fleet, pool, params, free, stats, head)
     if not (fast and state.fast_stage1()):
         state.stage1()
     stage2_started = perf_counter()
@@ -242,14 +245,29 @@ def route_round(
     return state.out, stats
 
 
+def reachable_head(pool: int, params: BalanceRouteParams, workers: int, total_free: int) -> int:
+    """How many entries at the head of a pool of ``pool`` requests one round can look at.
+
+    Stage 1 reads the first ``stage1_candidates`` still waiting, Stage 2 the first ``r_max``,
+    and a round admits at most ``total_free`` requests, each letting one more in: nothing past
+    ``max(stage1_candidates, r_max) + total_free`` is ever scored or admitted, so a round that
+    reads only that head decides the same (at G = 256 with a 4,096-request pool it reads about
+    a quarter of it)."""
+    window = max(params.stage1_candidates, params.effective_r_max(workers))
+    return min(pool, window + total_free)
+
+
 class _Round:
-    """The state of one round: the margin table, free slots, who still waits."""
+    """The state of one round: the margin table, free slots, who still waits (the first
+    ``head`` entries of the pool: see :func:`reachable_head`)."""
 
     def __init__(self, fleet: FleetView, pool: list[WaitingRequest],
-                 params: BalanceRouteParams, free: np.ndarray, stats: RoundStats) -> None:
+                 params: BalanceRouteParams, free: np.ndarray, stats: RoundStats,
+                 head: int) -> None:
         self.fleet, self.params, self.free, self.stats = fleet, params, free, stats
         self.total_free = int(free.sum())
-        self.sizes = np.fromiter(map(_PROMPT_TOKENS, pool), dtype=np.float64, count=len(pool))
+        self.sizes = np.fromiter(map(_PROMPT_TOKENS, islice(pool, head)), dtype=np.float64,
+                                 count=head)
         refill = None
         if params.refill and params.horizon > 0 and len(pool) > self.total_free:
             refill = float(self.sizes[: params.stage1_candidates].mean())
@@ -261,8 +279,10 @@ class _Round:
             pool_c_hat = fleet.pool_c_hat
             if pool_c_hat is not None and len(pool_c_hat) != len(pool):
                 pool_c_hat = None
+            elif pool_c_hat is not None:
+                pool_c_hat = pool_c_hat[:head]
             self.rows = candidate_rows(self.sizes, pool_c_hat, params.horizon, refill)
-        self.waiting = list(range(len(pool)))  # pool indices still waiting, in arrival order
+        self.waiting = list(range(head))  # pool indices still waiting, in arrival order
         self.short_pool = len(pool) <= self.total_free
         self.out: list[Assignment] = []
         self.exact = False
@@ -304,7 +324,9 @@ class _Round:
         self.stats.stage1_admissions += len(done.admitted)
         self.free[:] = done.free
         self.total_free = int(done.free.sum())
-        self.waiting = done.waiting
+        # Stage 2 reads the first r_max and admits at most total_free: that head is enough.
+        self.waiting = window.still_waiting(
+            self.params.effective_r_max(self.fleet.workers) + self.total_free)
         self.table = MarginTable(done.loads[:, None], self.table.d, self.table.alpha,
                                  self.table.beta)
         return True

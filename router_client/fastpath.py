@@ -25,9 +25,11 @@ choice itself is the exact bitset search of :mod:`router_client.subset` in every
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left, bisect_right, insort
+import math
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import islice
 
 import numpy as np
 
@@ -52,13 +54,15 @@ class Window:
     """The first ``limit`` still-waiting requests, sorted by ``(size, pool index)``.
 
     Requests only leave (admitted); each departure lets the next waiting request in, as the
-    reference's ``waiting[:limit]`` does.
+    reference's ``waiting[:limit]`` does. The order is kept as two parallel lists (sizes and
+    pool indices), so building it is two ``tolist`` calls, not a tuple per request.
     """
 
     sizes: np.ndarray
-    order: list[int]  # every waiting pool index, arrival order
+    order: list[int]  # every waiting pool index (or a head of them), arrival order
     limit: int
-    keys: list[tuple[float, int]] = field(default_factory=list)
+    key_size: list[float] = field(default_factory=list)
+    key_index: list[int] = field(default_factory=list)
     next_in: int = 0
     taken: set[int] = field(default_factory=set)
 
@@ -67,46 +71,61 @@ class Window:
         head = np.asarray(self.order[: self.next_in], dtype=np.int64)
         sizes = self.sizes[head]
         ranked = np.lexsort((head, sizes))
-        self.keys = list(zip(sizes[ranked].tolist(), head[ranked].tolist(), strict=True))
+        self.key_size = sizes[ranked].tolist()
+        self.key_index = head[ranked].tolist()
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.key_size)
 
     def best(self, margin: float, beta: float) -> tuple[float, int]:
         """``(F, pool index)`` of the best request for a worker with this margin."""
-        keys = self.keys
-        j = bisect_right(keys, (margin, float("inf")))
-        options: list[tuple[float, int]] = []
+        key_size = self.key_size
+        j = bisect_right(key_size, margin)  # first size above the margin
+        best: tuple[float, int] | None = None
         if j > 0:
-            size = keys[j - 1][0]
-            low = keys[bisect_left(keys, (size, -1))]
-            options.append((size, low[1]))
-        if j < len(keys):
-            size, index = keys[j]
-            options.append((size - beta * (size - margin), index))
-        return max(options, key=lambda option: (option[0], -option[1]))
+            size = key_size[j - 1]
+            best = (size, self.key_index[bisect_left(key_size, size)])
+        if j < len(key_size):
+            size = key_size[j]
+            high = (size - beta * (size - margin), self.key_index[j])
+            if best is None or (high[0], -high[1]) > (best[0], -best[1]):
+                best = high
+        if best is None:
+            raise IndexError("best request asked of an empty window")
+        return best
+
+    def _position(self, size: float, index: int) -> int:
+        low = bisect_left(self.key_size, size)
+        return bisect_left(self.key_index, index, low, bisect_right(self.key_size, size, low))
 
     def remove(self, size: float, index: int) -> None:
-        del self.keys[bisect_left(self.keys, (size, index))]
+        at = self._position(size, index)
+        del self.key_size[at], self.key_index[at]
         self.taken.add(index)
         if self.next_in < len(self.order):
             entering = self.order[self.next_in]
             self.next_in += 1
-            insort(self.keys, (float(self.sizes[entering]), entering))
+            size = float(self.sizes[entering])
+            at = self._position(size, entering)
+            self.key_size.insert(at, size)
+            self.key_index.insert(at, entering)
 
-    def still_waiting(self) -> list[int]:
+    def still_waiting(self, need: int | None = None) -> list[int]:
+        """The pool indices still waiting, arrival order (only the first ``need``, if given)."""
         head = self.next_in  # everything taken entered the window, which is a prefix
-        return [i for i in self.order[:head] if i not in self.taken] + self.order[head:]
+        if need is None:
+            return [i for i in self.order[:head] if i not in self.taken] + self.order[head:]
+        return list(islice((i for i in self.order if i not in self.taken), need))
 
 
 @dataclass
 class Stage1Result:
-    """What the fast Stage 1 did: admissions ``(pool index, worker)`` and the new loads."""
+    """What the fast Stage 1 did: admissions ``(pool index, worker)`` and the new loads (who
+    still waits: the window's :meth:`Window.still_waiting`)."""
 
     admitted: list[tuple[int, int]]
     loads: np.ndarray
     free: np.ndarray
-    waiting: list[int]
 
 
 def stage1_paper(loads: np.ndarray, free: np.ndarray, window: Window, beta: float,
@@ -130,8 +149,7 @@ def stage1_paper(loads: np.ndarray, free: np.ndarray, window: Window, beta: floa
         total -= 1
         admitted.append((index, worker))
         heapq.heappush(heap, (-slots[worker], load[worker], worker))
-    return Stage1Result(admitted, np.asarray(load), np.asarray(slots, dtype=np.int64),
-                        window.still_waiting())
+    return Stage1Result(admitted, np.asarray(load), np.asarray(slots, dtype=np.int64))
 
 
 def stage1_best_pair(loads: np.ndarray, free: np.ndarray, window: Window, beta: float,
@@ -141,8 +159,8 @@ def stage1_best_pair(loads: np.ndarray, free: np.ndarray, window: Window, beta: 
     slots = free.astype(np.int64).copy()
     admitted: list[tuple[int, int]] = []
     while len(window) and int(slots.sum()) > threshold:
-        sizes = np.fromiter((k[0] for k in window.keys), dtype=np.float64, count=len(window))
-        indices = np.fromiter((k[1] for k in window.keys), dtype=np.int64, count=len(window))
+        sizes = np.array(window.key_size, dtype=np.float64)
+        indices = np.array(window.key_index, dtype=np.int64)
         open_workers = np.flatnonzero(slots > 0)
         score, index = best_per_worker(sizes, indices, load.max() - load[open_workers], beta)
         pick = np.lexsort((index, open_workers, load[open_workers], -score))[0]
@@ -152,7 +170,7 @@ def stage1_best_pair(loads: np.ndarray, free: np.ndarray, window: Window, beta: 
         load[worker] += size
         slots[worker] -= 1
         admitted.append((chosen, worker))
-    return Stage1Result(admitted, load, slots, window.still_waiting())
+    return Stage1Result(admitted, load, slots)
 
 
 def best_per_worker(sizes: np.ndarray, indices: np.ndarray, margins: np.ndarray, beta: float
@@ -204,7 +222,7 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
         candidates = waiting[:r_max]
         margin = envelope - load[worker]
         score = partial(br0_scores, margin=margin, beta=beta)
-        totals = [int(sizes[i]) for i in candidates]
+        totals = sizes[candidates].astype(np.int64).tolist()
         if min(slots[worker], len(candidates)) == 1:
             choice: SubsetChoice | None = best_single(totals, margin, beta)
         else:
@@ -230,11 +248,16 @@ def best_single(totals: list[int], margin: float, beta: float) -> SubsetChoice:
     """:func:`router_client.subset.best_subset` with room for one request, without bitsets:
     the largest size up to ``floor(margin)`` or the smallest above it, the higher F (ties: the
     smaller size), the earliest candidate of that size (what its recovery returns)."""
-    limit = int(np.floor(margin))
+    limit = math.floor(margin)
     below = [t for t in totals if t <= limit]
     above = [t for t in totals if t > limit]
     options = ([max(below)] if below else []) + ([min(above)] if above else [])
-    values = br0_scores(np.asarray(options, dtype=np.float64), margin, beta)
-    best = min(range(len(options)), key=lambda k: (-float(values[k]), options[k]))
+    values = [br0_score_scalar(float(t), margin, beta) for t in options]
+    best = min(range(len(options)), key=lambda k: (-values[k], options[k]))
     total = options[best]
-    return SubsetChoice((totals.index(total),), total, float(values[best]))
+    return SubsetChoice((totals.index(total),), total, values[best])
+
+
+def br0_score_scalar(total: float, margin: float, beta: float) -> float:
+    """:func:`br0_scores` for one total, in Python floats (the same IEEE operations)."""
+    return total - beta * (total - margin) if total > margin else total

@@ -43,8 +43,8 @@ def applies(horizon: int, rows: object, loads: np.ndarray, sizes: np.ndarray) ->
     if horizon != 0 or rows is not None or loads.shape[0] < 2:
         return False
     for values in (loads, sizes):
-        if values.size and (not np.all(np.abs(values) < EXACT_LIMIT)
-                            or not np.all(values == np.floor(values))):
+        if values.size and not (np.abs(values).max() < EXACT_LIMIT
+                                and (values == np.floor(values)).all()):
             return False
     return True
 

@@ -1,5 +1,7 @@
 """BR-0's fast Stage 1 (router_client.fastpath) makes exactly the reference's decisions."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -65,3 +67,70 @@ def test_fast_stage1_breaks_ties_between_the_two_sides_like_the_reference(stage1
     want, _ = route_round(fleet, pool, params, reference=True)
     assert route_round(fleet, pool, params, reference=False)[0] == want
     assert want[0].pool_index == 0
+
+
+def near_full_fleet(seed, workers, capacity, free_share, pool_size, size_range):
+    """A fleet with about ``free_share`` of its slots free (as in saturated steady state) and
+    a pool longer than one round can reach."""
+    rng = np.random.default_rng(seed)
+    counts = capacity - rng.binomial(capacity, free_share, workers)
+    worker = np.repeat(np.arange(workers), counts)
+    size = rng.integers(1, size_range, worker.size).astype(float)
+    fleet = FleetView.from_active(workers, capacity, worker, size, None)
+    pool = [WaitingRequest(i, int(s)) for i, s in enumerate(rng.integers(1, size_range,
+                                                                         pool_size))]
+    return fleet, pool
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), free_share=st.sampled_from([0.002, 0.01, 0.03]),
+       pool_size=st.sampled_from([300, 4096]), size_range=st.sampled_from([4, 50, 6000]),
+       stage1=st.sampled_from(["auto", "paper", "best-pair"]))
+def test_fast_path_same_decisions_at_g256(seed, free_share, pool_size, size_range, stage1):
+    # the bench's scale: G = 256, B = 64, pool 4096 (a round reads only its head), or a pool
+    # shorter than the free slots (about 330 or 490 at the larger shares: auto is best-pair);
+    # small size ranges force ties in F, load and size
+    fleet, pool = near_full_fleet(seed, 256, 64, free_share, pool_size, size_range)
+    params = BalanceRouteParams.br0(stage1=stage1)
+    want, want_stats = route_round(fleet, pool, params, reference=True)
+    got, got_stats = route_round(fleet, pool, params, reference=False)
+    assert got == want
+    assert got_stats.stage1_admissions == want_stats.stage1_admissions
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), workers=st.integers(2, 12), capacity=st.integers(1, 8),
+       pool_size=st.integers(0, 300), size_range=st.sampled_from([3, 20, 6000]),
+       stage1=st.sampled_from(["auto", "paper", "best-pair"]), candidates=st.integers(1, 40),
+       r_max=st.integers(1, 40))
+def test_reading_only_the_reachable_head_of_a_long_pool_changes_nothing(
+        seed, workers, capacity, pool_size, size_range, stage1, candidates, r_max):
+    fleet, pool = fleet_and_pool(seed, workers, capacity, pool_size, size_range)
+    params = BalanceRouteParams.br0(stage1=stage1, stage1_candidates=candidates, r_max=r_max)
+    head = admission.reachable_head(len(pool), params, workers, int(fleet.free_slots.sum()))
+    want, _ = route_round(fleet, pool, params, reference=True)
+    assert route_round(fleet, pool, params, reference=False)[0] == want
+    assert all(a.pool_index < head for a in want)  # nothing past the head is ever admitted
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), workers=st.integers(1, 8), capacity=st.integers(1, 6),
+       pool_size=st.integers(0, 80), candidates=st.integers(1, 12), r_max=st.integers(1, 6),
+       candidate_life=st.booleans(), refill=st.booleans(), pool_c_hat=st.booleans(),
+       stage1=st.sampled_from(["auto", "paper", "best-pair"]))
+def test_brh_reads_the_same_head_and_decides_like_the_reference(
+        seed, workers, capacity, pool_size, candidates, r_max, candidate_life, refill,
+        pool_c_hat, stage1):
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, capacity + 1, workers)
+    worker = np.repeat(np.arange(workers), counts)
+    size = rng.integers(1, 3000, worker.size).astype(float)
+    fleet = FleetView.from_active(workers, capacity, worker, size,
+                                  rng.uniform(1, 20, worker.size))
+    if pool_c_hat:
+        fleet = replace(fleet, pool_c_hat=rng.uniform(1, 25, pool_size))
+    pool = [WaitingRequest(i, int(s)) for i, s in enumerate(rng.integers(1, 3000, pool_size))]
+    params = BalanceRouteParams(horizon=16, stage1=stage1, stage1_candidates=candidates,
+                                r_max=r_max, candidate_life=candidate_life, refill=refill)
+    want, _ = route_round(fleet, pool, params, reference=True)
+    assert route_round(fleet, pool, params, reference=False)[0] == want

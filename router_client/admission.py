@@ -234,7 +234,7 @@ def route_round(
         return [], stats
     fast = FAST_PATH if reference is None else not reference
     head = reachable_head(len(pool), params, fleet.workers, total_free) if fast else len(pool)
-    state = _Round(fleet, pool, params, free, stats, head)
+    state = _Round(fleet, pool, params, free, stats, head, fast)
     if not (fast and state.fast_stage1()):
         state.stage1()
     stage2_started = perf_counter()
@@ -263,8 +263,9 @@ class _Round:
 
     def __init__(self, fleet: FleetView, pool: list[WaitingRequest],
                  params: BalanceRouteParams, free: np.ndarray, stats: RoundStats,
-                 head: int) -> None:
+                 head: int, fast: bool = False) -> None:
         self.fleet, self.params, self.free, self.stats = fleet, params, free, stats
+        self.fast = fast  # BR-H's enumerated subsets vectorized (fastpath.best_row_subset)
         self.total_free = int(free.sum())
         self.sizes = np.fromiter(map(_PROMPT_TOKENS, islice(pool, head)), dtype=np.float64,
                                  count=head)
@@ -401,23 +402,27 @@ class _Round:
     def _subset(self, worker: int, candidates: list[int]) -> SubsetChoice | None:
         if self.rows is not None:
             return _best_row_subset(self.rows[candidates], int(self.free[worker]),
-                                    partial(self.table.score_rows, worker))
+                                    partial(self.table.score_rows, worker), self.fast)
         return best_subset([int(self.sizes[i]) for i in candidates], int(self.free[worker]),
                            partial(self.table.score, worker), self.table.peak(worker))
 
 
 def _best_row_subset(
-    rows: np.ndarray, max_count: int, score: Callable[[np.ndarray], np.ndarray]
+    rows: np.ndarray, max_count: int, score: Callable[[np.ndarray], np.ndarray],
+    fast: bool = False,
 ) -> SubsetChoice | None:
     """The non-empty subset of at most ``max_count`` candidates (rows of added work) with the
     highest F; ties: smaller added work now, then more requests. Exhaustive while there are at
-    most :data:`MAX_ENUMERATED_SUBSETS` subsets, else greedy (add the best request while F
+    most :data:`MAX_ENUMERATED_SUBSETS` subsets (``fast``: all sums in one numpy pass,
+    :func:`router_client.fastpath.best_row_subset`), else greedy (add the best request while F
     rises). ``total`` is the added work at step 0."""
     n = rows.shape[0]
     max_count = min(max_count, n)
     if max_count <= 0:
         return None
     count = sum(comb(n, j) for j in range(1, max_count + 1))
+    if count <= MAX_ENUMERATED_SUBSETS and fast:
+        return fastpath.best_row_subset(rows, max_count, score)
     if count <= MAX_ENUMERATED_SUBSETS:
         subsets = [c for j in range(1, max_count + 1) for c in combinations(range(n), j)]
         sums = np.stack([rows[list(c)].sum(axis=0) for c in subsets])

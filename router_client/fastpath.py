@@ -27,9 +27,10 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left, bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import islice
+from itertools import chain, combinations, islice
 
 import numpy as np
 
@@ -261,3 +262,26 @@ def best_single(totals: list[int], margin: float, beta: float) -> SubsetChoice:
 def br0_score_scalar(total: float, margin: float, beta: float) -> float:
     """:func:`br0_scores` for one total, in Python floats (the same IEEE operations)."""
     return total - beta * (total - margin) if total > margin else total
+
+
+def best_row_subset(rows: np.ndarray, max_count: int,
+                    score: Callable[[np.ndarray], np.ndarray]) -> SubsetChoice:
+    """BR-H's exhaustive Stage-2 choice (``admission._best_row_subset`` while it enumerates)
+    with every subset's summed rows computed in one fancy-indexed ``sum`` per subset size
+    instead of one per subset: the same subsets in the same order, each summed by numpy's
+    same reduction over its member rows (bit for bit, tested), the same ``score`` call on the
+    stacked sums, and its tie rule (``-F``, then the added work now, then more requests; the
+    first such subset) by a stable ``lexsort``."""
+    n = rows.shape[0]
+    members: list[np.ndarray] = []
+    for j in range(1, max_count + 1):
+        flat = np.fromiter(chain.from_iterable(combinations(range(n), j)), dtype=np.int64)
+        members.append(flat.reshape(-1, j))
+    sums = np.concatenate([rows[m].sum(axis=1) for m in members])
+    counts = np.concatenate([np.full(len(m), m.shape[1]) for m in members])
+    values = score(sums)
+    best = int(np.lexsort((-counts, sums[:, 0], -values))[0])
+    j = int(counts[best])
+    subset = members[j - 1][best - int(np.searchsorted(counts, j))]
+    return SubsetChoice(tuple(subset.tolist()), int(round(sums[best, 0])),
+                        float(values[best]))

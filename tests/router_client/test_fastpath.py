@@ -1,6 +1,7 @@
 """BR-0's fast Stage 1 (router_client.fastpath) makes exactly the reference's decisions."""
 
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 from router_client import admission
 from router_client.admission import BalanceRouteParams, route_round
 from router_client.fleet import FleetView, WaitingRequest
+from router_client.fscore import MarginTable, discounts
 from router_client.policies import make_policy
 from router_client.simulator import SimConfig, simulate
 from router_client.synth import synthesize
@@ -134,3 +136,22 @@ def test_brh_reads_the_same_head_and_decides_like_the_reference(
                                 r_max=r_max, candidate_life=candidate_life, refill=refill)
     want, _ = route_round(fleet, pool, params, reference=True)
     assert route_round(fleet, pool, params, reference=False)[0] == want
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 12), max_count=st.integers(1, 12),
+       horizon=st.sampled_from([1, 5, 80]), scale=st.sampled_from([3.0, 1e3, 1e6]),
+       integer=st.booleans())
+def test_vectorized_row_subset_enumeration_equals_the_reference(seed, n, max_count, horizon,
+                                                                scale, integer):
+    # up to 12 members (numpy's pairwise summation starts at 8): the same sums bit for bit,
+    # hence the same choice; integer rows force ties in F and in the added work
+    rng = np.random.default_rng(seed)
+    rows = rng.random((n, horizon + 1)) * scale
+    if integer:
+        rows = np.floor(rows)
+    loads = np.floor(rng.random((3, horizon + 1)) * scale * 3)
+    table = MarginTable(loads, discounts(horizon, 0.9), 1.0, 3.0)
+    score = partial(table.score_rows, 0)
+    want = admission._best_row_subset(rows, max_count, score)
+    assert admission._best_row_subset(rows, max_count, score, fast=True) == want

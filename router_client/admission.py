@@ -50,7 +50,7 @@ MAX_ENUMERATED_SUBSETS = 4096  # Stage 2 with candidate rows: enumerate up to th
 _PROMPT_TOKENS = attrgetter("prompt_tokens")
 BR0_WINDOW_PER_WORKER = 4  # BR-0's default Stage-2 window: 4G requests ...
 BR0_WINDOW_CAP = 64  # ... but never more than this (router time at large G)
-FAST_PATH = True  # BR-0's Stage 1 by router_client.fastpath where it is exact (False: reference)
+FAST_PATH = True  # router_client.fastpath where it is exact (False: the reference throughout)
 
 
 @dataclass(frozen=True)
@@ -224,8 +224,8 @@ def route_round(
 
     ``reference=True`` runs the pure-Python/numpy reference throughout; the default
     (:data:`FAST_PATH`) reads only the head of the pool that the round can reach
-    (:func:`reachable_head`) and takes BR-0's stages through :mod:`router_client.fastpath`,
-    which makes the same decisions."""
+    (:func:`reachable_head`) and takes BR-0's stages, and BR-H's exhaustive subset choice,
+    through :mod:`router_client.fastpath`, which makes the same decisions."""
     started = perf_counter()
     stats = RoundStats(used_prediction=params.horizon > 0)
     free = fleet.free_slots.astype(np.int64).copy()

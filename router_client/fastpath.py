@@ -18,8 +18,13 @@ The arithmetic is the reference's (:meth:`router_client.fscore.MarginTable.score
 ``F = D`` below the margin, ``D - G * (D - m)`` above), in float64 on integer-valued loads and
 sizes, so every comparison, ties included, comes out the same. The path applies only where
 that holds (:func:`applies`); anything else (BR-H, G = 1, non-integer loads) runs the
-reference. Stage 2 (:func:`stage2_br0`) is the reference's loop on scalar state; the subset
-choice itself is the exact bitset search of :mod:`router_client.subset` in every case.
+reference's stages. Stage 2 (:func:`stage2_br0`) is the reference's loop on scalar state
+(Python ints and floats); the subset choice itself is the exact bitset search of
+:mod:`router_client.subset` in every case.
+
+Every fast round, BR-H's included, reads only the head of the pool it can reach
+(:func:`router_client.admission.reachable_head`), and BR-H's exhaustive Stage-2 subset choice
+sums all subsets at once (:func:`best_row_subset`).
 """
 
 from __future__ import annotations

@@ -141,7 +141,9 @@ def stage1_paper(loads: np.ndarray, free: np.ndarray, window: Window, beta: floa
     slots = free.astype(np.int64).tolist()
     envelope = max(load)
     total = sum(slots)
-    heap = [(-slots[g], load[g], g) for g in range(len(load))]
+    # Only workers with a free slot can come off the top while some slot is free (threshold
+    # >= 0), so the heap holds just those: at saturation a few of G.
+    heap = [(-slots[g], load[g], g) for g in np.flatnonzero(free > 0).tolist()]
     heapq.heapify(heap)
     admitted: list[tuple[int, int]] = []
     while len(window) and total > threshold:

@@ -104,17 +104,21 @@ class Window:
         low = bisect_left(self.key_size, size)
         return bisect_left(self.key_index, index, low, bisect_right(self.key_size, size, low))
 
-    def remove(self, size: float, index: int) -> None:
-        at = self._position(size, index)
-        del self.key_size[at], self.key_index[at]
+    def remove(self, size: float, index: int) -> tuple[int, int | None]:
+        """Take a request out; returns where it was and where the request that entered in
+        its place went (``None``: none left to enter)."""
+        gone = self._position(size, index)
+        del self.key_size[gone], self.key_index[gone]
         self.taken.add(index)
-        if self.next_in < len(self.order):
-            entering = self.order[self.next_in]
-            self.next_in += 1
-            size = float(self.sizes[entering])
-            at = self._position(size, entering)
-            self.key_size.insert(at, size)
-            self.key_index.insert(at, entering)
+        if self.next_in >= len(self.order):
+            return gone, None
+        entering = self.order[self.next_in]
+        self.next_in += 1
+        size = float(self.sizes[entering])
+        came = self._position(size, entering)
+        self.key_size.insert(came, size)
+        self.key_index.insert(came, entering)
+        return gone, came
 
     def still_waiting(self, need: int | None = None) -> list[int]:
         """The pool indices still waiting, arrival order (only the first ``need``, if given)."""
@@ -165,18 +169,29 @@ def stage1_best_pair(loads: np.ndarray, free: np.ndarray, window: Window, beta: 
     """The best-pair rule while the free slots exceed ``threshold``, workers in one pass."""
     load = loads.astype(np.float64).copy()
     slots = free.astype(np.int64).copy()
+    total = int(slots.sum())
+    # The window as arrays, edited in place in step with its lists (no rebuild per admission)
+    sizes = np.array(window.key_size, dtype=np.float64)
+    indices = np.array(window.key_index, dtype=np.int64)
+    open_workers = np.flatnonzero(slots > 0)
     admitted: list[tuple[int, int]] = []
-    while len(window) and int(slots.sum()) > threshold:
-        sizes = np.array(window.key_size, dtype=np.float64)
-        indices = np.array(window.key_index, dtype=np.int64)
-        open_workers = np.flatnonzero(slots > 0)
-        score, index = best_per_worker(sizes, indices, load.max() - load[open_workers], beta)
+    while len(window) and total > threshold:
+        n = len(window)
+        score, index = best_per_worker(sizes[:n], indices[:n], load.max() - load[open_workers],
+                                       beta)
         pick = np.lexsort((index, open_workers, load[open_workers], -score))[0]
         worker, chosen = int(open_workers[pick]), int(index[pick])
         size = float(window.sizes[chosen])
-        window.remove(size, chosen)
+        gone, came = window.remove(size, chosen)
+        sizes[gone:n - 1], indices[gone:n - 1] = sizes[gone + 1:n], indices[gone + 1:n]
+        if came is not None:  # the window keeps its length: shift right from `came`
+            sizes[came + 1:n], indices[came + 1:n] = sizes[came:n - 1], indices[came:n - 1]
+            sizes[came], indices[came] = window.key_size[came], window.key_index[came]
         load[worker] += size
         slots[worker] -= 1
+        total -= 1
+        if slots[worker] <= 0:
+            open_workers = open_workers[open_workers != worker]
         admitted.append((chosen, worker))
     return Stage1Result(admitted, load, slots)
 

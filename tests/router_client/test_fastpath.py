@@ -17,9 +17,14 @@ from router_client.simulator import SimConfig, simulate
 from router_client.synth import synthesize
 
 
-def fleet_and_pool(seed, workers, capacity, pool_size, size_range):
+def fleet_and_pool(seed, workers, capacity, pool_size, size_range, free_share=None):
+    """A random fleet and pool; with ``free_share``, about that share of the slots free (a
+    saturated steady state)."""
     rng = np.random.default_rng(seed)
-    counts = rng.integers(0, capacity + 1, workers)
+    if free_share is None:
+        counts = rng.integers(0, capacity + 1, workers)
+    else:
+        counts = capacity - rng.binomial(capacity, free_share, workers)
     worker = np.repeat(np.arange(workers), counts)
     size = rng.integers(1, size_range, worker.size).astype(float)
     fleet = FleetView.from_active(workers, capacity, worker, size, None)
@@ -71,19 +76,6 @@ def test_fast_stage1_breaks_ties_between_the_two_sides_like_the_reference(stage1
     assert want[0].pool_index == 0
 
 
-def near_full_fleet(seed, workers, capacity, free_share, pool_size, size_range):
-    """A fleet with about ``free_share`` of its slots free (as in saturated steady state) and
-    a pool longer than one round can reach."""
-    rng = np.random.default_rng(seed)
-    counts = capacity - rng.binomial(capacity, free_share, workers)
-    worker = np.repeat(np.arange(workers), counts)
-    size = rng.integers(1, size_range, worker.size).astype(float)
-    fleet = FleetView.from_active(workers, capacity, worker, size, None)
-    pool = [WaitingRequest(i, int(s)) for i, s in enumerate(rng.integers(1, size_range,
-                                                                         pool_size))]
-    return fleet, pool
-
-
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), free_share=st.sampled_from([0.002, 0.01, 0.03]),
        pool_size=st.sampled_from([300, 4096]), size_range=st.sampled_from([4, 50, 6000]),
@@ -92,7 +84,7 @@ def test_fast_path_same_decisions_at_g256(seed, free_share, pool_size, size_rang
     # the bench's scale: G = 256, B = 64, pool 4096 (a round reads only its head), or a pool
     # shorter than the free slots (about 330 or 490 at the larger shares: auto is best-pair);
     # small size ranges force ties in F, load and size
-    fleet, pool = near_full_fleet(seed, 256, 64, free_share, pool_size, size_range)
+    fleet, pool = fleet_and_pool(seed, 256, 64, pool_size, size_range, free_share)
     params = BalanceRouteParams.br0(stage1=stage1)
     want, want_stats = route_round(fleet, pool, params, reference=True)
     got, got_stats = route_round(fleet, pool, params, reference=False)

@@ -14,6 +14,7 @@ stages, subset selection) is timed with ``perf_counter``.
 from __future__ import annotations
 
 import gc
+import os
 import platform
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -89,6 +90,7 @@ def bench_router(workers: int = 8, rmax: int | None = None, pool: int = 256, bat
     # rounds do not walk it (a router process does the same after start-up, as the service).
     gc.collect()
     gc.freeze()
+    load_before = os.getloadavg()[0]
     times: dict[str, list[float]] = {"fast": [], "reference": [], "paper": []}
     stage2: list[float] = []
     admitted: list[int] = []
@@ -113,6 +115,7 @@ def bench_router(workers: int = 8, rmax: int | None = None, pool: int = 256, bat
         stage2.append(stats.extra.get("stage2_s", 0.0))
         admitted.append(len(assignments))
     gc.unfreeze()
+    load_after = os.getloadavg()[0]
     return {
         "policy": "brh-oracle" if horizon else "br0",
         "workers": workers, "rmax": params.effective_r_max(workers), "pool": pool,
@@ -124,6 +127,10 @@ def bench_router(workers: int = 8, rmax: int | None = None, pool: int = 256, bat
         "batch": batch, "horizon": horizon, "distinct_states": len(states),
         "mean_admitted_per_round": round(float(np.mean(admitted)), 3),
         "python": platform.python_version(),
+        # 1-minute load average when the timed rounds started and ended (the figures are
+        # wall-clock times on a shared machine: read them with it)
+        "load_average": [round(load_before, 2), round(load_after, 2)],
+        "cpus": os.cpu_count(),
     }
 
 

@@ -18,16 +18,24 @@ The arithmetic is the reference's (:meth:`router_client.fscore.MarginTable.score
 ``F = D`` below the margin, ``D - G * (D - m)`` above), in float64 on integer-valued loads and
 sizes, so every comparison, ties included, comes out the same. The path applies only where
 that holds (:func:`applies`); anything else (BR-H, G = 1, non-integer loads) runs the
-reference. Stage 2 (:func:`stage2_br0`) is the reference's loop on scalar state; the subset
-choice itself is the exact bitset search of :mod:`router_client.subset` in every case.
+reference's stages. Stage 2 (:func:`stage2_br0`) is the reference's loop on scalar state
+(Python ints and floats); the subset choice itself is the exact bitset search of
+:mod:`router_client.subset` in every case.
+
+Every fast round, BR-H's included, reads only the head of the pool it can reach
+(:func:`router_client.admission.reachable_head`), and BR-H's exhaustive Stage-2 subset choice
+sums all subsets at once (:func:`best_row_subset`).
 """
 
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left, bisect_right, insort
+import math
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import chain, combinations, islice
 
 import numpy as np
 
@@ -41,8 +49,8 @@ def applies(horizon: int, rows: object, loads: np.ndarray, sizes: np.ndarray) ->
     if horizon != 0 or rows is not None or loads.shape[0] < 2:
         return False
     for values in (loads, sizes):
-        if values.size and (not np.all(np.abs(values) < EXACT_LIMIT)
-                            or not np.all(values == np.floor(values))):
+        if values.size and not (np.abs(values).max() < EXACT_LIMIT
+                                and (values == np.floor(values)).all()):
             return False
     return True
 
@@ -52,13 +60,15 @@ class Window:
     """The first ``limit`` still-waiting requests, sorted by ``(size, pool index)``.
 
     Requests only leave (admitted); each departure lets the next waiting request in, as the
-    reference's ``waiting[:limit]`` does.
+    reference's ``waiting[:limit]`` does. The order is kept as two parallel lists (sizes and
+    pool indices), so building it is two ``tolist`` calls, not a tuple per request.
     """
 
     sizes: np.ndarray
-    order: list[int]  # every waiting pool index, arrival order
+    order: list[int]  # every waiting pool index (or a head of them), arrival order
     limit: int
-    keys: list[tuple[float, int]] = field(default_factory=list)
+    key_size: list[float] = field(default_factory=list)
+    key_index: list[int] = field(default_factory=list)
     next_in: int = 0
     taken: set[int] = field(default_factory=set)
 
@@ -67,46 +77,65 @@ class Window:
         head = np.asarray(self.order[: self.next_in], dtype=np.int64)
         sizes = self.sizes[head]
         ranked = np.lexsort((head, sizes))
-        self.keys = list(zip(sizes[ranked].tolist(), head[ranked].tolist(), strict=True))
+        self.key_size = sizes[ranked].tolist()
+        self.key_index = head[ranked].tolist()
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.key_size)
 
     def best(self, margin: float, beta: float) -> tuple[float, int]:
         """``(F, pool index)`` of the best request for a worker with this margin."""
-        keys = self.keys
-        j = bisect_right(keys, (margin, float("inf")))
-        options: list[tuple[float, int]] = []
+        key_size = self.key_size
+        j = bisect_right(key_size, margin)  # first size above the margin
+        best: tuple[float, int] | None = None
         if j > 0:
-            size = keys[j - 1][0]
-            low = keys[bisect_left(keys, (size, -1))]
-            options.append((size, low[1]))
-        if j < len(keys):
-            size, index = keys[j]
-            options.append((size - beta * (size - margin), index))
-        return max(options, key=lambda option: (option[0], -option[1]))
+            size = key_size[j - 1]
+            best = (size, self.key_index[bisect_left(key_size, size)])
+        if j < len(key_size):
+            size = key_size[j]
+            high = (size - beta * (size - margin), self.key_index[j])
+            if best is None or (high[0], -high[1]) > (best[0], -best[1]):
+                best = high
+        if best is None:
+            raise IndexError("best request asked of an empty window")
+        return best
 
-    def remove(self, size: float, index: int) -> None:
-        del self.keys[bisect_left(self.keys, (size, index))]
+    def _position(self, size: float, index: int) -> int:
+        low = bisect_left(self.key_size, size)
+        return bisect_left(self.key_index, index, low, bisect_right(self.key_size, size, low))
+
+    def remove(self, size: float, index: int) -> tuple[int, int | None]:
+        """Take a request out; returns where it was and where the request that entered in
+        its place went (``None``: none left to enter)."""
+        gone = self._position(size, index)
+        del self.key_size[gone], self.key_index[gone]
         self.taken.add(index)
-        if self.next_in < len(self.order):
-            entering = self.order[self.next_in]
-            self.next_in += 1
-            insort(self.keys, (float(self.sizes[entering]), entering))
+        if self.next_in >= len(self.order):
+            return gone, None
+        entering = self.order[self.next_in]
+        self.next_in += 1
+        size = float(self.sizes[entering])
+        came = self._position(size, entering)
+        self.key_size.insert(came, size)
+        self.key_index.insert(came, entering)
+        return gone, came
 
-    def still_waiting(self) -> list[int]:
+    def still_waiting(self, need: int | None = None) -> list[int]:
+        """The pool indices still waiting, arrival order (only the first ``need``, if given)."""
         head = self.next_in  # everything taken entered the window, which is a prefix
-        return [i for i in self.order[:head] if i not in self.taken] + self.order[head:]
+        if need is None:
+            return [i for i in self.order[:head] if i not in self.taken] + self.order[head:]
+        return list(islice((i for i in self.order if i not in self.taken), need))
 
 
 @dataclass
 class Stage1Result:
-    """What the fast Stage 1 did: admissions ``(pool index, worker)`` and the new loads."""
+    """What the fast Stage 1 did: admissions ``(pool index, worker)`` and the new loads (who
+    still waits: the window's :meth:`Window.still_waiting`)."""
 
     admitted: list[tuple[int, int]]
     loads: np.ndarray
     free: np.ndarray
-    waiting: list[int]
 
 
 def stage1_paper(loads: np.ndarray, free: np.ndarray, window: Window, beta: float,
@@ -116,7 +145,9 @@ def stage1_paper(loads: np.ndarray, free: np.ndarray, window: Window, beta: floa
     slots = free.astype(np.int64).tolist()
     envelope = max(load)
     total = sum(slots)
-    heap = [(-slots[g], load[g], g) for g in range(len(load))]
+    # Only workers with a free slot can come off the top while some slot is free (threshold
+    # >= 0), so the heap holds just those: at saturation a few of G.
+    heap = [(-slots[g], load[g], g) for g in np.flatnonzero(free > 0).tolist()]
     heapq.heapify(heap)
     admitted: list[tuple[int, int]] = []
     while len(window) and total > threshold:
@@ -130,8 +161,7 @@ def stage1_paper(loads: np.ndarray, free: np.ndarray, window: Window, beta: floa
         total -= 1
         admitted.append((index, worker))
         heapq.heappush(heap, (-slots[worker], load[worker], worker))
-    return Stage1Result(admitted, np.asarray(load), np.asarray(slots, dtype=np.int64),
-                        window.still_waiting())
+    return Stage1Result(admitted, np.asarray(load), np.asarray(slots, dtype=np.int64))
 
 
 def stage1_best_pair(loads: np.ndarray, free: np.ndarray, window: Window, beta: float,
@@ -139,20 +169,31 @@ def stage1_best_pair(loads: np.ndarray, free: np.ndarray, window: Window, beta: 
     """The best-pair rule while the free slots exceed ``threshold``, workers in one pass."""
     load = loads.astype(np.float64).copy()
     slots = free.astype(np.int64).copy()
+    total = int(slots.sum())
+    # The window as arrays, edited in place in step with its lists (no rebuild per admission)
+    sizes = np.array(window.key_size, dtype=np.float64)
+    indices = np.array(window.key_index, dtype=np.int64)
+    open_workers = np.flatnonzero(slots > 0)
     admitted: list[tuple[int, int]] = []
-    while len(window) and int(slots.sum()) > threshold:
-        sizes = np.fromiter((k[0] for k in window.keys), dtype=np.float64, count=len(window))
-        indices = np.fromiter((k[1] for k in window.keys), dtype=np.int64, count=len(window))
-        open_workers = np.flatnonzero(slots > 0)
-        score, index = best_per_worker(sizes, indices, load.max() - load[open_workers], beta)
+    while len(window) and total > threshold:
+        n = len(window)
+        score, index = best_per_worker(sizes[:n], indices[:n], load.max() - load[open_workers],
+                                       beta)
         pick = np.lexsort((index, open_workers, load[open_workers], -score))[0]
         worker, chosen = int(open_workers[pick]), int(index[pick])
         size = float(window.sizes[chosen])
-        window.remove(size, chosen)
+        gone, came = window.remove(size, chosen)
+        sizes[gone:n - 1], indices[gone:n - 1] = sizes[gone + 1:n], indices[gone + 1:n]
+        if came is not None:  # the window keeps its length: shift right from `came`
+            sizes[came + 1:n], indices[came + 1:n] = sizes[came:n - 1], indices[came:n - 1]
+            sizes[came], indices[came] = window.key_size[came], window.key_index[came]
         load[worker] += size
         slots[worker] -= 1
+        total -= 1
+        if slots[worker] <= 0:
+            open_workers = open_workers[open_workers != worker]
         admitted.append((chosen, worker))
-    return Stage1Result(admitted, load, slots, window.still_waiting())
+    return Stage1Result(admitted, load, slots)
 
 
 def best_per_worker(sizes: np.ndarray, indices: np.ndarray, margins: np.ndarray, beta: float
@@ -204,7 +245,7 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
         candidates = waiting[:r_max]
         margin = envelope - load[worker]
         score = partial(br0_scores, margin=margin, beta=beta)
-        totals = [int(sizes[i]) for i in candidates]
+        totals = sizes[candidates].astype(np.int64).tolist()
         if min(slots[worker], len(candidates)) == 1:
             choice: SubsetChoice | None = best_single(totals, margin, beta)
         else:
@@ -230,11 +271,39 @@ def best_single(totals: list[int], margin: float, beta: float) -> SubsetChoice:
     """:func:`router_client.subset.best_subset` with room for one request, without bitsets:
     the largest size up to ``floor(margin)`` or the smallest above it, the higher F (ties: the
     smaller size), the earliest candidate of that size (what its recovery returns)."""
-    limit = int(np.floor(margin))
+    limit = math.floor(margin)
     below = [t for t in totals if t <= limit]
     above = [t for t in totals if t > limit]
     options = ([max(below)] if below else []) + ([min(above)] if above else [])
-    values = br0_scores(np.asarray(options, dtype=np.float64), margin, beta)
-    best = min(range(len(options)), key=lambda k: (-float(values[k]), options[k]))
+    values = [br0_score_scalar(float(t), margin, beta) for t in options]
+    best = min(range(len(options)), key=lambda k: (-values[k], options[k]))
     total = options[best]
-    return SubsetChoice((totals.index(total),), total, float(values[best]))
+    return SubsetChoice((totals.index(total),), total, values[best])
+
+
+def br0_score_scalar(total: float, margin: float, beta: float) -> float:
+    """:func:`br0_scores` for one total, in Python floats (the same IEEE operations)."""
+    return total - beta * (total - margin) if total > margin else total
+
+
+def best_row_subset(rows: np.ndarray, max_count: int,
+                    score: Callable[[np.ndarray], np.ndarray]) -> SubsetChoice:
+    """BR-H's exhaustive Stage-2 choice (``admission._best_row_subset`` while it enumerates)
+    with every subset's summed rows computed in one fancy-indexed ``sum`` per subset size
+    instead of one per subset: the same subsets in the same order, each summed by numpy's
+    same reduction over its member rows (bit for bit, tested), the same ``score`` call on the
+    stacked sums, and its tie rule (``-F``, then the added work now, then more requests; the
+    first such subset) by a stable ``lexsort``."""
+    n = rows.shape[0]
+    members: list[np.ndarray] = []
+    for j in range(1, max_count + 1):
+        flat = np.fromiter(chain.from_iterable(combinations(range(n), j)), dtype=np.int64)
+        members.append(flat.reshape(-1, j))
+    sums = np.concatenate([rows[m].sum(axis=1) for m in members])
+    counts = np.concatenate([np.full(len(m), m.shape[1]) for m in members])
+    values = score(sums)
+    best = int(np.lexsort((-counts, sums[:, 0], -values))[0])
+    j = int(counts[best])
+    subset = members[j - 1][best - int(np.searchsorted(counts, j))]
+    return SubsetChoice(tuple(subset.tolist()), int(round(sums[best, 0])),
+                        float(values[best]))

@@ -103,6 +103,7 @@ def test_bench_router_writes_api_fields(tmp_path):
     assert {"workers", "rmax", "pool", "rounds", "p50_ms", "p99_ms", "mean_ms",
             "stage2_share"} <= set(result)
     assert result["rounds"] == 20 and result["p50_ms"] <= result["p99_ms"]
+    assert len(result["load_average"]) == 2  # the machine load the figures were taken at
 
 
 def test_bench_calibration_small(tmp_path):

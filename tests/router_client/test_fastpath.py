@@ -1,5 +1,8 @@
 """BR-0's fast Stage 1 (router_client.fastpath) makes exactly the reference's decisions."""
 
+from dataclasses import replace
+from functools import partial
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -8,14 +11,20 @@ from hypothesis import strategies as st
 from router_client import admission
 from router_client.admission import BalanceRouteParams, route_round
 from router_client.fleet import FleetView, WaitingRequest
+from router_client.fscore import MarginTable, discounts
 from router_client.policies import make_policy
 from router_client.simulator import SimConfig, simulate
 from router_client.synth import synthesize
 
 
-def fleet_and_pool(seed, workers, capacity, pool_size, size_range):
+def fleet_and_pool(seed, workers, capacity, pool_size, size_range, free_share=None):
+    """A random fleet and pool; with ``free_share``, about that share of the slots free (a
+    saturated steady state)."""
     rng = np.random.default_rng(seed)
-    counts = rng.integers(0, capacity + 1, workers)
+    if free_share is None:
+        counts = rng.integers(0, capacity + 1, workers)
+    else:
+        counts = capacity - rng.binomial(capacity, free_share, workers)
     worker = np.repeat(np.arange(workers), counts)
     size = rng.integers(1, size_range, worker.size).astype(float)
     fleet = FleetView.from_active(workers, capacity, worker, size, None)
@@ -65,3 +74,76 @@ def test_fast_stage1_breaks_ties_between_the_two_sides_like_the_reference(stage1
     want, _ = route_round(fleet, pool, params, reference=True)
     assert route_round(fleet, pool, params, reference=False)[0] == want
     assert want[0].pool_index == 0
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), free_share=st.sampled_from([0.002, 0.01, 0.03]),
+       pool_size=st.sampled_from([300, 4096]), size_range=st.sampled_from([4, 50, 6000]),
+       stage1=st.sampled_from(["auto", "paper", "best-pair"]))
+def test_fast_path_same_decisions_at_g256(seed, free_share, pool_size, size_range, stage1):
+    # the bench's scale: G = 256, B = 64, pool 4096 (a round reads only its head), or a pool
+    # shorter than the free slots (about 330 or 490 at the larger shares: auto is best-pair);
+    # small size ranges force ties in F, load and size
+    fleet, pool = fleet_and_pool(seed, 256, 64, pool_size, size_range, free_share)
+    params = BalanceRouteParams.br0(stage1=stage1)
+    want, want_stats = route_round(fleet, pool, params, reference=True)
+    got, got_stats = route_round(fleet, pool, params, reference=False)
+    assert got == want
+    assert got_stats.stage1_admissions == want_stats.stage1_admissions
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), workers=st.integers(2, 12), capacity=st.integers(1, 8),
+       pool_size=st.integers(0, 300), size_range=st.sampled_from([3, 20, 6000]),
+       stage1=st.sampled_from(["auto", "paper", "best-pair"]), candidates=st.integers(1, 40),
+       r_max=st.integers(1, 40))
+def test_reading_only_the_reachable_head_of_a_long_pool_changes_nothing(
+        seed, workers, capacity, pool_size, size_range, stage1, candidates, r_max):
+    fleet, pool = fleet_and_pool(seed, workers, capacity, pool_size, size_range)
+    params = BalanceRouteParams.br0(stage1=stage1, stage1_candidates=candidates, r_max=r_max)
+    head = admission.reachable_head(len(pool), params, workers, int(fleet.free_slots.sum()))
+    want, _ = route_round(fleet, pool, params, reference=True)
+    assert route_round(fleet, pool, params, reference=False)[0] == want
+    assert all(a.pool_index < head for a in want)  # nothing past the head is ever admitted
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), workers=st.integers(1, 8), capacity=st.integers(1, 6),
+       pool_size=st.integers(0, 80), candidates=st.integers(1, 12), r_max=st.integers(1, 6),
+       candidate_life=st.booleans(), refill=st.booleans(), pool_c_hat=st.booleans(),
+       stage1=st.sampled_from(["auto", "paper", "best-pair"]))
+def test_brh_reads_the_same_head_and_decides_like_the_reference(
+        seed, workers, capacity, pool_size, candidates, r_max, candidate_life, refill,
+        pool_c_hat, stage1):
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, capacity + 1, workers)
+    worker = np.repeat(np.arange(workers), counts)
+    size = rng.integers(1, 3000, worker.size).astype(float)
+    fleet = FleetView.from_active(workers, capacity, worker, size,
+                                  rng.uniform(1, 20, worker.size))
+    if pool_c_hat:
+        fleet = replace(fleet, pool_c_hat=rng.uniform(1, 25, pool_size))
+    pool = [WaitingRequest(i, int(s)) for i, s in enumerate(rng.integers(1, 3000, pool_size))]
+    params = BalanceRouteParams(horizon=16, stage1=stage1, stage1_candidates=candidates,
+                                r_max=r_max, candidate_life=candidate_life, refill=refill)
+    want, _ = route_round(fleet, pool, params, reference=True)
+    assert route_round(fleet, pool, params, reference=False)[0] == want
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 12), max_count=st.integers(1, 12),
+       horizon=st.sampled_from([1, 5, 80]), scale=st.sampled_from([3.0, 1e3, 1e6]),
+       integer=st.booleans())
+def test_vectorized_row_subset_enumeration_equals_the_reference(seed, n, max_count, horizon,
+                                                                scale, integer):
+    # up to 12 members (numpy's pairwise summation starts at 8): the same sums bit for bit,
+    # hence the same choice; integer rows force ties in F and in the added work
+    rng = np.random.default_rng(seed)
+    rows = rng.random((n, horizon + 1)) * scale
+    if integer:
+        rows = np.floor(rows)
+    loads = np.floor(rng.random((3, horizon + 1)) * scale * 3)
+    table = MarginTable(loads, discounts(horizon, 0.9), 1.0, 3.0)
+    score = partial(table.score_rows, 0)
+    want = admission._best_row_subset(rows, max_count, score)
+    assert admission._best_row_subset(rows, max_count, score, fast=True) == want

@@ -91,7 +91,51 @@ def bench_predictor(items: int = 1024, rounds: int = 300, ingest_batches: int = 
                 orjson.loads(answer.content)
                 times.append(time.perf_counter() - t0)
             result["http"] = _percentiles(times)
+            result.update(_contributions_while_ingesting(client, base, rounds))
     return result
+
+
+def _one_item_latencies(client, rounds: int) -> list[float]:
+    body = orjson.dumps({"horizon": 80, "items": [
+        {"request_id": "one", "prompt_key": "k", "prompt_tokens": 1000,
+         "generated_tokens": 10}]})
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        client.post("/v1/contributions", content=body,
+                    headers={"content-type": "application/json"}).raise_for_status()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _contributions_while_ingesting(client, base: str, rounds: int) -> dict:
+    """1-item contributions over HTTP, first alone, then while another client posts batches
+    of 1000 observations back to back (each durably committed): queries must not wait on a
+    commit. Same server, same run: compare the two."""
+    import threading
+
+    import httpx
+
+    quiet = _percentiles(_one_item_latencies(client, rounds))
+    stop, posted = threading.Event(), [0]
+
+    def ingest() -> None:
+        with httpx.Client(base_url=base, timeout=30) as writer:
+            k = 0
+            while not stop.is_set():
+                writer.post("/v1/observations", json={"observations": _observations(
+                    1000, 500_000 + k * 1000, 1000 + k)}).raise_for_status()
+                posted[0] += 1000
+                k += 1
+
+    thread = threading.Thread(target=ingest, daemon=True)
+    thread.start()
+    time.sleep(0.5)  # the writer is under way
+    busy = _percentiles(_one_item_latencies(client, rounds))
+    stop.set()
+    thread.join(timeout=60)
+    return {"one_item_http": quiet, "one_item_http_while_ingesting": busy,
+            "ingested_meanwhile": posted[0]}
 
 
 def bench_calibration(scored: int = 100_000, rounds: int = 30) -> dict:

@@ -56,6 +56,9 @@ class PredictorService:
         self.sessions = sessionmaker(engine, expire_on_commit=False)
         self.lock = threading.RLock()  # the learners and trackers (memory only)
         self.ingest_lock = threading.Lock()  # serializes ingestion's database work
+        # The drift streams: updated after the learners' lock is released (queries read only
+        # the ``drifted`` flag), so a query never waits on the detectors' tests either.
+        self.drift_lock = threading.Lock()
         self.fitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-fit")
         self._fit_state = threading.Lock()
         self._fit_queued = False
@@ -178,8 +181,6 @@ class PredictorService:
         for estimator in self.estimators.values():
             estimator.partial_fit(outcomes)
         self.observations += len(rows)
-        for row in rows:
-            self.drift.update_length(int(row[2]), _iso(row[5]))
 
     def _add_scored(self, scores: list[Scored], when: str | None) -> None:
         """One finished request's scored predictions. The loss stream gets one value per
@@ -192,7 +193,8 @@ class PredictorService:
             if scored.estimator == self.auto:  # the auto rule: what routers get by default
                 losses.append((scored.p_fin - float(scored.ended)) ** 2)
         if losses:
-            self.drift.update_loss(float(np.mean(losses)), when)
+            with self.drift_lock:
+                self.drift.update_loss(float(np.mean(losses)), when)
 
     # -- operations -----------------------------------------------------------------------
     def ingest(self, observations: list[dict]) -> IngestResult:
@@ -287,6 +289,9 @@ class PredictorService:
             if advance:
                 self.last_id = max(self.last_id, int(rows[-1][0]))
             self.model_version = max(self.model_version, max(int(r[1]) for r in rows))
+        with self.drift_lock:  # in the same (id) order, outside the learners' lock
+            for row in rows:
+                self.drift.update_length(int(row[2]), _iso(row[5]))
 
     def start_tailing(self) -> None:
         """Poll the observations table every ``replica_poll_interval`` seconds (0: never), and
@@ -460,8 +465,12 @@ class PredictorService:
                 "pending": self.tracker.pending_count,
                 "pending_dropped": self.tracker.dropped,
                 "sample_rate": self.settings.calibration_sample_rate,
-                "drift": self.drift.state(),
+                "drift": self._drift_state(),
             }
+
+    def _drift_state(self) -> dict:
+        with self.drift_lock:
+            return self.drift.state()
 
     @property
     def buckets(self) -> int:

@@ -113,6 +113,16 @@ def test_bench_calibration_small(tmp_path):
     assert result["scored"] == 2000 and result["report"]["p50_ms"] > 0
 
 
+def test_bench_predictor_small_reports_queries_while_ingesting(tmp_path):
+    path = tmp_path / "pred.json"
+    assert main(["bench", "predictor", "--items", "16", "--rounds", "20",
+                 "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    for part in ("in_process", "http", "one_item_http", "one_item_http_while_ingesting"):
+        assert result[part]["p99_ms"] >= result[part]["p50_ms"] > 0, part
+    assert result["ingested_meanwhile"] >= 1000  # the writer really ran during the queries
+
+
 def test_ab_brh_parameters_reach_the_policy(tmp_path):
     argv = ["ab", "--trace", "synth:long:n=300", "--workers", "2", "--batch", "8",
             "--policies", "br0,brh-oracle", "--quiet", "--json"]

@@ -253,9 +253,8 @@ def test_replicas_write_one_snapshot_and_a_duplicate_is_harmless(database_url, m
     assert _answers_after_restart(database_url) == before
 
 
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)  # its advisory lock
 def test_only_one_replica_writes_at_a_time_on_postgresql(database_url):
-    if not database_url.startswith("postgresql"):
-        pytest.skip("the advisory lock is PostgreSQL's")
     from sqlalchemy import create_engine, text
 
     from predictor.store import SNAPSHOT_LOCK

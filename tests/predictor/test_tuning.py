@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from predictor.app import create_app
 from predictor.cli import main
 from predictor.settings import Settings
-from predictor.tuning import DEFAULT_GRID, Candidate, parse_grid, tune
+from predictor.tuning import DEFAULT_GRID, Candidate, _choose, parse_grid, recommendation_of, tune
 from router_client.admission import BalanceRouteParams
 from router_client.client import RouterClient, RouterConfig
 from router_client.errors import ParameterError
@@ -63,13 +63,27 @@ def test_turnover_gamma_in_the_grid_and_the_recommendation():
     assert grid[1] == Candidate("brh", 20, None, "turnover")
     assert grid[1].label == "brh H=20 beta=G gamma=turnover"
     assert grid[1].params(BalanceRouteParams(gamma=0.5)).gamma is None
+    assert recommendation_of(grid[1], "exact_match") == {
+        "policy": "brh", "horizon": 20, "beta": None, "gamma": "turnover",
+        "estimator": "exact_match"}
     trace = synthesize("synth:long:n=300,seed=1")
-    result = tune(trace, SimConfig(workers=2, batch=8, load="backlog"), grid=grid,
-                  min_gain=-1.0)  # BR-H is taken whatever it scores
-    assert result.recommendation == {"policy": "brh", "horizon": 20, "beta": None,
-                                     "gamma": "turnover", "estimator": "exact_match"}
+    result = tune(trace, SimConfig(workers=2, batch=8, load="backlog"), grid=grid)
     row = next(r for r in result.rows if r["policy"] != "br0")
-    assert 0.5 <= row["gamma_mean"] < 1.0
+    assert row["gamma"] == "turnover" and 0.5 <= row["gamma_mean"] < 1.0
+
+
+def test_a_setting_that_raises_the_imbalance_is_not_recommended():
+    def row(policy, throughput, imbalance, gamma=0.86):
+        return {"policy": policy, "horizon": 80, "beta": None, "gamma": gamma,
+                "throughput_tok_s": throughput, "imbalance_maxmin_mean": imbalance}
+
+    br0 = row("br0", 1000.0, 100.0)
+    deferring = row("brh-exactmatch", 1013.0, 155.0, 0.97)  # first by throughput
+    balanced = row("brh-exactmatch", 1012.0, 73.0)
+    assert _choose([deferring, balanced, br0], 0.001) == Candidate("brh", 80, None, 0.86)
+    slight = row("brh-exactmatch", 1000.5, 73.0)  # balanced, but gains less than 0.1%
+    assert _choose([deferring, slight, br0], 0.001) == Candidate("br0")
+    assert _choose([deferring, br0], 0.001) == Candidate("br0")
 
 
 def test_tune_command(tmp_path):

@@ -186,6 +186,9 @@ def _add_tune(sub) -> None:
                       "used to check the recommendation against BR-0 (default 0)")
     tune.add_argument("--min-gain", type=float, default=0.001,
                       help="BR-H must beat BR-0's throughput by this share (default 0.001)")
+    tune.add_argument("--windows", type=int, default=2,
+                      help="replay the past in this many consecutive windows; BR-H is "
+                      "recommended only if it wins in each (default 2; 1: one replay)")
     tune.add_argument("--seed", type=int, default=0)
     tune.add_argument("--json", type=Path, default=None, help="write the result here")
     tune.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -313,7 +316,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace, args.format, args.requests)
     config = SimConfig(workers=args.workers, batch=args.batch, load=args.load, seed=args.seed)
     result = tune(trace, config, estimator=args.estimator, min_gain=args.min_gain,
-                  holdout=args.holdout, progress=Progress(not args.quiet))
+                  holdout=args.holdout, progress=Progress(not args.quiet),
+                  windows=args.windows)
     reference = next(r for r in result.rows if r["policy"] == "br0")["throughput_tok_s"]
     tuned = len(trace) - int(round(len(trace) * args.holdout))
     print(f"trace {args.trace}: tuned on the first {tuned} of {len(trace)} requests, "

@@ -84,6 +84,28 @@ def test_a_setting_that_raises_the_imbalance_is_not_recommended():
     slight = row("brh-exactmatch", 1000.5, 73.0)  # balanced, but gains less than 0.1%
     assert _choose([deferring, slight, br0], 0.001) == Candidate("br0")
     assert _choose([deferring, br0], 0.001) == Candidate("br0")
+    # over two windows of the past it must win in each: +5% then -1% is not enough
+    windows = [{"throughput_tok_s": 1050.0, "imbalance_maxmin_mean": 80.0},
+               {"throughput_tok_s": 990.0, "imbalance_maxmin_mean": 90.0}]
+    br0["windows"] = [{"throughput_tok_s": 1000.0, "imbalance_maxmin_mean": 100.0}] * 2
+    assert _choose([{**balanced, "windows": windows}, br0], 0.001) == Candidate("br0")
+    windows[1]["throughput_tok_s"] = 1002.0
+    assert _choose([{**balanced, "windows": windows}, br0], 0.001) == Candidate(
+        "brh", 80, None, 0.86)
+
+
+def test_tuning_replays_the_past_in_windows_each_warmed_on_the_ones_before():
+    trace = synthesize("synth:templated:n=1200,seed=4")
+    result = tune(trace, SimConfig(workers=2, batch=8, load="backlog"), grid=SMALL_GRID,
+                  windows=2)
+    for row in result.rows:
+        assert [w["requests"] for w in row["windows"]] == [600, 600]
+        assert row["requests"] == 1200
+        assert row["throughput_tok_s"] == pytest.approx(
+            np.mean([w["throughput_tok_s"] for w in row["windows"]]))
+    single = tune(trace.head(400), SimConfig(workers=2, batch=8, load="backlog"),
+                  grid=SMALL_GRID, windows=2)  # too few requests for two windows
+    assert all("windows" not in row for row in single.rows)
 
 
 def test_tune_command(tmp_path):

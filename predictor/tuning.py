@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from router_client.admission import BalanceRouteParams
+from router_client.admission import TURNOVER, BalanceRouteParams, gamma_value
 from router_client.errors import ParameterError
 from router_client.policies import make_policy
 from router_client.predictors import FinishedBatch
@@ -40,7 +40,6 @@ from .settings import Settings
 
 ProgressCallback = Callable[[float, str], None]
 MIN_WINDOW = 500  # fewer requests per window than this: tune on one window
-TURNOVER = "turnover"  # gamma from the fleet's turnover each round (BalanceRouteParams gamma=None)
 
 
 @dataclass(frozen=True)
@@ -65,14 +64,6 @@ class Candidate:
             return base.as_br0()
         return replace(base, horizon=self.horizon, beta=self.beta,
                        gamma=base.gamma if self.gamma is None else gamma_value(self.gamma))
-
-
-def gamma_value(gamma: float | str | None) -> float | None:
-    """A recommendation's or grid point's ``gamma`` as :class:`BalanceRouteParams` takes it:
-    ``"turnover"`` (or null) is ``None``, the discount taken from the fleet's turnover."""
-    if gamma is None or gamma == TURNOVER:
-        return None
-    return float(gamma)
 
 
 # Small on purpose: every candidate is a full replay. The default discount from the fleet's

@@ -195,6 +195,17 @@ def build_table(fleet: FleetView, params: BalanceRouteParams,
     return MarginTable(loads, discounts(params.horizon, gamma), params.alpha, beta)
 
 
+TURNOVER = "turnover"  # a recommendation's or grid point's gamma for ``gamma=None``
+
+
+def gamma_value(gamma: object) -> float | None:
+    """A recommendation's or grid point's ``gamma`` as :class:`BalanceRouteParams` takes it:
+    ``"turnover"`` (or null) is ``None``, the discount taken from the fleet's turnover."""
+    if gamma is None or gamma == TURNOVER:
+        return None
+    return float(gamma)  # type: ignore[arg-type]
+
+
 def turnover_gamma(fleet: FleetView, horizon: int, scale: float = 1.0) -> float:
     """The discount whose effective horizon ``1 / (1 - gamma)`` is ``scale`` times the steps
     between two admissions to one worker, clipped to [2, H] steps.

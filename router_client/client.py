@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .admission import BalanceRouteParams
+from .admission import BalanceRouteParams, gamma_value
 from .errors import ParameterError
 from .fallback import FallbackController, RouterMetrics
 from .policies import Policy, make_policy
@@ -164,7 +164,7 @@ class RouterClient:
                 beta = advice.get("beta")  # None: alpha * G
                 params = replace(self.params, horizon=int(advice["horizon"]),
                                  beta=None if beta is None else float(beta),
-                                 gamma=_gamma(advice.get("gamma")))
+                                 gamma=gamma_value(advice.get("gamma")))
             else:
                 raise ParameterError("policy", f"unknown policy {advice.get('policy')!r}")
         except (KeyError, TypeError, ValueError) as exc:
@@ -191,10 +191,3 @@ class RouterClient:
             [o["prompt_key"] for o in outcomes],
             [o["finish_reason"] for o in outcomes],
         ))
-
-
-def _gamma(value: object) -> float | None:
-    """A recommendation's ``gamma``: a number, or ``"turnover"`` (``None`` in the params)."""
-    if value is None or value == "turnover":
-        return None
-    return float(value)  # type: ignore[arg-type]

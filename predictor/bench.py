@@ -81,29 +81,24 @@ def bench_predictor(items: int = 1024, rounds: int = 300, ingest_batches: int = 
                 client.post("/v1/observations", json={"observations": batch}).raise_for_status()
             elapsed = time.perf_counter() - started
             result["ingest_http_obs_per_s"] = round(ingest_batches * 1000 / elapsed)
-            times = []
-            headers = {"content-type": "application/json"}
-            for _ in range(rounds):  # as a router would: encode, post, decode the answer
-                t0 = time.perf_counter()
-                answer = client.post("/v1/contributions", content=orjson.dumps(body),
-                                     headers=headers)
-                answer.raise_for_status()
-                orjson.loads(answer.content)
-                times.append(time.perf_counter() - t0)
-            result["http"] = _percentiles(times)
+            result["http"] = _percentiles(_contributions_latencies(client, body, rounds))
             result.update(_contributions_while_ingesting(client, base, rounds))
     return result
 
 
-def _one_item_latencies(client, rounds: int) -> list[float]:
-    body = orjson.dumps({"horizon": 80, "items": [
-        {"request_id": "one", "prompt_key": "k", "prompt_tokens": 1000,
-         "generated_tokens": 10}]})
+ONE_ITEM = {"horizon": 80, "items": [{"request_id": "one", "prompt_key": "k",
+                                     "prompt_tokens": 1000, "generated_tokens": 10}]}
+
+
+def _contributions_latencies(client, body: dict, rounds: int) -> list[float]:
+    """Seconds per ``/v1/contributions`` call, as a router makes it: encode, post, decode."""
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        client.post("/v1/contributions", content=body,
-                    headers={"content-type": "application/json"}).raise_for_status()
+        answer = client.post("/v1/contributions", content=orjson.dumps(body),
+                             headers={"content-type": "application/json"})
+        answer.raise_for_status()
+        orjson.loads(answer.content)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -116,7 +111,7 @@ def _contributions_while_ingesting(client, base: str, rounds: int) -> dict:
 
     import httpx
 
-    quiet = _percentiles(_one_item_latencies(client, rounds))
+    quiet = _percentiles(_contributions_latencies(client, ONE_ITEM, rounds))
     stop, posted = threading.Event(), [0]
 
     def ingest() -> None:
@@ -131,7 +126,7 @@ def _contributions_while_ingesting(client, base: str, rounds: int) -> dict:
     thread = threading.Thread(target=ingest, daemon=True)
     thread.start()
     time.sleep(0.5)  # the writer is under way
-    busy = _percentiles(_one_item_latencies(client, rounds))
+    busy = _percentiles(_contributions_latencies(client, ONE_ITEM, rounds))
     stop.set()
     thread.join(timeout=60)
     return {"one_item_http": quiet, "one_item_http_while_ingesting": busy,

@@ -41,8 +41,8 @@ def free_ports(count: int) -> int:
         try:
             for offset in range(count):
                 sock = socket.socket()
+                sockets.append(sock)  # closed below even when its bind fails
                 sock.bind(("127.0.0.1", base + offset))
-                sockets.append(sock)
             return base
         except OSError:
             continue

@@ -297,7 +297,13 @@ class Proxy:
             tokens, handle = await self._prefill(call, body, path, estimate)
             upstream["kv_transfer_params"] = handle
         content = orjson.dumps(upstream)
-        for attempt in range(1 + self.config.retries):
+        # A rank that refuses the connection is marked down, so routing again cannot pick it:
+        # such attempts are bounded by the rank count and do not use up ``retries``, which
+        # bounds only the ambiguous failures (a kept-alive connection closed under us).
+        ambiguous = 0
+        for attempt in range(1 + self.config.retries + len(self.config.decode)):
+            if ambiguous > self.config.retries:
+                break
             call.request_id = call.base_id if attempt == 0 else f"{call.base_id}-r{attempt}"
             rank = await self._admit(call, tokens, key)
             call.rank = rank
@@ -315,6 +321,7 @@ class Proxy:
                 # A kept-alive connection the rank had just closed (no response began): the
                 # rank is not down; route again. A dead rank refuses the next connection.
                 self._end(call, "error")
+                ambiguous += 1
                 continue
             except httpx.HTTPError as exc:
                 self.engines.mark_down(rank, f"send: {type(exc).__name__}")

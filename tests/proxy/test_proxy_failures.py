@@ -8,19 +8,34 @@ import httpx
 import openai
 import pytest
 
-from .conftest import Launcher, assert_quiescent, poll_until, proxy_state, rank_urls
+from .conftest import (
+    Launcher,
+    assert_quiescent,
+    free_ports,
+    poll_until,
+    proxy_state,
+    rank_urls,
+)
 
 
-async def _run(proxy_url: str, n: int, max_tokens: int) -> list[str | int]:
+async def _run(proxy_url: str, n: int, max_tokens: int,
+               streaming: list[int] | None = None) -> list[str | int]:
+    """``n`` streamed completions; ``streaming[0]`` counts those that got a first token."""
     client = openai.AsyncOpenAI(base_url=proxy_url + "/v1", api_key="x", max_retries=0,
                                 timeout=60.0)
 
     async def one() -> str | int:
+        tokens = 0
         try:
             stream = await client.completions.create(
                 model="m", prompt=[3] * 50, max_tokens=max_tokens, stream=True,
                 extra_body={"ignore_eos": True})
-            return sum([1 async for c in stream if c.choices and c.choices[0].text])
+            async for c in stream:
+                if c.choices and c.choices[0].text:
+                    tokens += 1
+                    if tokens == 1 and streaming is not None:
+                        streaming[0] += 1
+            return tokens
         except openai.APIError as exc:
             return f"error: {exc}"
 
@@ -43,14 +58,15 @@ def test_killed_rank_fails_only_its_requests_then_returns(launcher: Launcher):
     n, max_tokens = 9, 600
 
     async def scenario():
-        task = asyncio.ensure_future(_run(proxy.url, n, max_tokens))
-        def dispatched():
-            per_rank = proxy_state(proxy)["per_rank"]
-            return per_rank if sum(per_rank) == n else None
-
-        per_rank = await asyncio.to_thread(_wait_for, dispatched, "all requests dispatched")
+        streaming = [0]
+        task = asyncio.ensure_future(_run(proxy.url, n, max_tokens, streaming))
+        deadline = asyncio.get_running_loop().time() + 15.0
+        while streaming[0] < n:  # every stream has begun: none can be routed again
+            assert asyncio.get_running_loop().time() < deadline, f"{streaming[0]} of {n} began"
+            await asyncio.sleep(0.05)
+        per_rank = await asyncio.to_thread(proxy_state, proxy)
         doomed.kill()
-        return per_rank, await task
+        return per_rank["per_rank"], await task
 
     per_rank, results = asyncio.run(scenario())
     assert per_rank[2] > 0, per_rank
@@ -71,3 +87,18 @@ def test_killed_rank_fails_only_its_requests_then_returns(launcher: Launcher):
     _wait_for(lambda: proxy_state(proxy)["up"] == [True, True, True], "the rank to return")
     assert asyncio.run(_run(proxy.url, 12, 10)) == [10] * 12
     assert_quiescent(proxy)
+
+
+@pytest.mark.timeout(60)
+def test_ranks_refusing_connections_do_not_fail_requests(launcher: Launcher):
+    """Nothing ran on a rank that refused the connection, so the request is routed again, to
+    another rank, however many dead ranks it meets first (they do not use up the retries)."""
+    healthy = launcher.emulator(workers=2, batch=8, time_scale=1.0)
+    dead = free_ports(3)  # nothing listens there
+    urls = [f"http://127.0.0.1:{dead + g}" for g in range(3)] + rank_urls(healthy, 2)
+    proxy = launcher.proxy(urls, policy="br0", batch=8)
+    # one request alone meets the dead ranks one after another (ties go to the lowest rank)
+    assert asyncio.run(_run(proxy.url, 1, 5)) == [5]
+    assert asyncio.run(_run(proxy.url, 16, 5)) == [5] * 16
+    state = assert_quiescent(proxy)
+    assert state["up"] == [False, False, False, True, True]

@@ -332,9 +332,21 @@ class ExactMatchEstimator(BaseEstimator):
     def predict(self, features: Features, horizon: int) -> Estimate:
         if self.fallback_.n_observed_ == 0:
             return self.fallback_.predict(features, horizon)
-        n_items = len(features)
         table = self.fallback_.curve_.table_
         glob = curve_terms(table.extended, table.prefix, features.generated, horizon)
+        blend, weight = self.shrink(features, horizon, glob)
+        life = residual_from_terms(blend[0], blend[1], blend[2], horizon)
+        source = [self.name if w > 0 else self.fallback_.name for w in weight.tolist()]
+        support = np.where(weight > 0, weight, self.fallback_.n_observed_).astype(np.int64)
+        return Estimate(life.c_hat, life.p_fin, life.mu_rem, source, support)
+
+    def shrink(self, features: Features, horizon: int, prior: Sequence[np.ndarray]
+               ) -> tuple[list[np.ndarray], np.ndarray]:
+        """Each item's curve terms (``S(a)``, ``S(a+H)``, ``sum_{h<H} S(a+h)``) from its key's
+        curve shrunk toward ``prior`` (the same terms of the curve it would get without a
+        key): the mixture ``(n * key + k * prior) / (n + k)``, ``n`` the key's support.
+        Returns the terms and ``n`` (0 where the key is unknown or below ``min_support``: the
+        prior's terms unchanged)."""
         steps: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         rows: list[int] = []
         owner: list[int] = []
@@ -348,9 +360,8 @@ class ExactMatchEstimator(BaseEstimator):
             support_of.append(bucket.n_observed)
             steps.append(self._steps_of(key, bucket))
             rows.extend(key_rows)
-        weight = np.zeros(n_items)
-        mine = [column.copy() for column in glob]
-        source = [self.fallback_.name] * n_items
+        weight = np.zeros(len(features))
+        mine = [column.copy() for column in prior]
         if steps:
             index = np.asarray(rows, dtype=np.int64)
             owners = np.asarray(owner, dtype=np.int64)
@@ -358,14 +369,10 @@ class ExactMatchEstimator(BaseEstimator):
             terms = stacked_terms(steps, owners, features.generated[index], horizon)
             for column, values in zip(mine, terms, strict=True):
                 column[index] = values
-            for row in rows:
-                source[row] = self.name
         k = self.prior_weight_
         blend = [(weight * b + k * g) / (weight + k) if k > 0
-                 else np.where(weight > 0, b, g) for b, g in zip(mine, glob, strict=True)]
-        life = residual_from_terms(blend[0], blend[1], blend[2], horizon)
-        support = np.where(weight > 0, weight, self.fallback_.n_observed_).astype(np.int64)
-        return Estimate(life.c_hat, life.p_fin, life.mu_rem, source, support)
+                 else np.where(weight > 0, b, g) for b, g in zip(mine, prior, strict=True)]
+        return blend, weight
 
 
 def _steps_nbytes(key: str, steps: tuple[np.ndarray, ...]) -> int:

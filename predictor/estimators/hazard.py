@@ -28,6 +28,14 @@ Bins past the longest one seen in training keep the last trained per-token hazar
 sums in closed form) conditioned on the tokens generated, as for Kaplan-Meier
 (:func:`~predictor.estimators.km.residual_from_terms`).
 
+Key curves (``key_curves``, default): a prompt key seen before also has its own Kaplan-Meier
+curve (an :class:`~predictor.estimators.exact_match.ExactMatchEstimator` held inside), and the
+answer is that curve shrunk toward the model's, ``(n * key + k * model) / (n + k)`` on the
+curve terms, ``n`` the key's observations and ``k`` ExactMatch's empirical-Bayes weight: a
+hierarchical model whose population level is the booster (conditional on the prompt and the
+key's statistics) rather than one global curve. A key seen often answers with its own lengths,
+a new key with the model's; before the first fit ExactMatch answers.
+
 Online in mini-batches, deterministically: outcomes are buffered in a sliding window of the
 most recent ``window`` observations and the model is refit from scratch when enough new ones
 arrived: first at ``min_fit`` observations, then whenever the new ones reach the number seen at
@@ -50,13 +58,14 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from typing import Self
+from typing import Any, Self
 
 import numpy as np
 from sklearn.ensemble import HistGradientBoostingClassifier
 from threadpoolctl import threadpool_limits
 
 from .base import BaseEstimator, Estimate, Features, Outcomes
+from .exact_match import ExactMatchEstimator
 from .km import residual_from_terms
 from .survival import SurvivalEstimator
 
@@ -193,6 +202,11 @@ class HazardEstimator(BaseEstimator):
         bins_per_octave: length bins per doubling.
         max_keys: bound on the keys whose statistics are kept.
         max_iter, max_leaf_nodes, min_samples_leaf, learning_rate: the booster's.
+        key_curves: shrink each known prompt key's own Kaplan-Meier curve toward the model's
+            curve (:meth:`ExactMatchEstimator.shrink`, the same empirical-Bayes weight), so
+            a key seen often answers with its own lengths and a new one with the model's.
+        key_params: :class:`ExactMatchEstimator` arguments of those key curves (its window
+            defaults to ``window``); its global curve is this model's fallback.
     """
 
     name = "hazard"
@@ -200,7 +214,8 @@ class HazardEstimator(BaseEstimator):
     def __init__(self, window: int = 5000, refit_every: int = 1000, min_fit: int = 250,
                  bins_per_octave: int = 3, max_keys: int = 100_000, max_iter: int = 100,
                  max_leaf_nodes: int = 15, min_samples_leaf: int = 40,
-                 learning_rate: float = 0.1) -> None:
+                 learning_rate: float = 0.1, key_curves: bool = True,
+                 key_params: dict[str, Any] | None = None) -> None:
         if window < 1 or refit_every < 1 or min_fit < 1:
             raise ValueError("window, refit_every and min_fit must be >= 1")
         if bins_per_octave < 1:
@@ -214,11 +229,19 @@ class HazardEstimator(BaseEstimator):
         self.max_leaf_nodes = max_leaf_nodes
         self.min_samples_leaf = min_samples_leaf
         self.learning_rate = learning_rate
+        self.key_curves = key_curves
+        self.key_params = key_params
         self.reset()
 
     def reset(self) -> Self:
         self.edges_ = bin_edges(self.bins_per_octave)
-        self.fallback_ = SurvivalEstimator(self.window)
+        self.keyed_: ExactMatchEstimator | None = None
+        if self.key_curves:
+            self.keyed_ = ExactMatchEstimator(**{"window": self.window,
+                                                 **(self.key_params or {})})
+            self.fallback_ = self.keyed_.fallback_  # one global curve for both
+        else:
+            self.fallback_ = SurvivalEstimator(self.window)
         self.keys_ = KeyStats(self.max_keys)
         # (log1p prompt or -1, log1p key count, key shrunk mean, output, ended) per observation
         self.buffer_: deque[tuple[float, float, float, float, int, bool]] = deque(
@@ -241,11 +264,16 @@ class HazardEstimator(BaseEstimator):
 
     def observe_running(self, features: Features) -> Self:
         """Running requests as censored evidence for the fallback curve (see Survival)."""
-        self.fallback_.observe_running(features)
+        self._curves_learner.observe_running(features)
         return self
 
+    @property
+    def _curves_learner(self) -> SurvivalEstimator | ExactMatchEstimator:
+        """What learns the curves: the key curves (with the global one), or the global one."""
+        return self.keyed_ if self.keyed_ is not None else self.fallback_
+
     def partial_fit(self, outcomes: Outcomes) -> Self:
-        self.fallback_.partial_fit(outcomes)
+        self._curves_learner.partial_fit(outcomes)
         prompts = _log_prompt(outcomes.prompt_tokens).tolist()
         ended = outcomes.events.tolist()
         for i, output in enumerate(outcomes.output_tokens.tolist()):
@@ -270,7 +298,24 @@ class HazardEstimator(BaseEstimator):
         for key, stats in state.key_statistics()[-self.max_keys:]:
             table[key] = stats
         self.keys_.ended, self.keys_.total = state.ended, state.total
+        if self.keyed_ is not None:
+            self.keyed_.load_key_state(state)
         return self
+
+    # Replaying stored batches, the key curves' estimates of k are deferred as ExactMatch's
+    # are (the service sets ``defer_refresh``, then calls :meth:`refresh_deferred`).
+    @property
+    def defer_refresh(self) -> bool:
+        return self.keyed_ is not None and self.keyed_.defer_refresh
+
+    @defer_refresh.setter
+    def defer_refresh(self, value: bool) -> None:
+        if self.keyed_ is not None:
+            self.keyed_.defer_refresh = value
+
+    def refresh_deferred(self) -> None:
+        if self.keyed_ is not None:
+            self.keyed_.refresh_deferred()
 
     # A service must not hold the lock its queries take during a fit (about a second): it
     # sets ``defer_fits`` and calls :meth:`fit_deferred` after each ingested batch, which fits
@@ -346,7 +391,7 @@ class HazardEstimator(BaseEstimator):
 
     def predict(self, features: Features, horizon: int) -> Estimate:
         if self.model_ is None:
-            return self.fallback_.predict(features, horizon)
+            return self._curves_learner.predict(features, horizon)
         n = len(features)
         group = self._groups(features)
         s_now, s_end, area = np.empty(n), np.empty(n), np.empty(n)
@@ -355,6 +400,9 @@ class HazardEstimator(BaseEstimator):
             rows = np.flatnonzero(chunk == c)
             s_now[rows], s_end[rows], area[rows] = self._curves[c].terms(
                 group[rows] & (CHUNK - 1), features.generated[rows], horizon)
+        if self.keyed_ is not None:
+            (s_now, s_end, area), _ = self.keyed_.shrink(features, horizon,
+                                                         (s_now, s_end, area))
         life = residual_from_terms(s_now, s_end, area, horizon)
         return Estimate(life.c_hat, life.p_fin, life.mu_rem, [self.name] * n,
                         np.full(n, self.n_fitted_, dtype=np.int64))

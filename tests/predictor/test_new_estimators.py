@@ -118,6 +118,31 @@ def test_hazard_uses_key_statistics_and_is_deterministic():
     np.testing.assert_array_equal(first.c_hat, a.predict(features, 80).c_hat)  # cached
 
 
+def test_hazard_key_curves_answer_a_known_key_with_its_own_lengths():
+    """A key whose outputs always have the same length, among keys that vary widely: with
+    key curves the model's curve is shrunk toward the key's own (n / (n + k) of it), so the
+    key's requests are predicted to end at that length; an unknown key gets the model alone."""
+    rng = np.random.default_rng(5)
+    keys = rng.integers(0, 100, 3000)
+    centres = np.exp(rng.uniform(2, 6, 100))  # keys that carry signal: k is estimated low
+    lengths = np.maximum(1, (centres[keys] * rng.lognormal(0, 0.3, 3000)).astype(int))
+    lengths[keys == 0] = 10  # key k0: exactly 10 tokens, every time
+    outcomes = Outcomes.of(lengths, prompt_key=[f"k{k}" for k in keys])
+    keyed = _hazard().partial_fit(outcomes)
+    plain = _hazard(key_curves=False).partial_fit(outcomes)
+    features = Features.of([0, 0, 5], ["k0", "new", "k0"])
+    got, model = keyed.predict(features, 80), plain.predict(features, 80)
+    n, k = keyed.keyed_.buckets_["k0"].n_observed, keyed.keyed_.prior_weight_
+    assert n == int((keys == 0).sum()) and n / (n + k) > 0.8
+    assert got.c_hat[0] == pytest.approx(10, abs=0.2 * model.c_hat[0])
+    assert abs(got.c_hat[0] - 10) < abs(model.c_hat[0] - 10)
+    assert got.p_fin[0] > 0.95
+    assert got.c_hat[2] == pytest.approx(5, abs=0.2 * model.c_hat[2])  # 5 more tokens
+    np.testing.assert_allclose(got.c_hat[1], model.c_hat[1], rtol=1e-12)
+    np.testing.assert_allclose(got.p_fin[1], model.p_fin[1], rtol=1e-12)
+    assert got.source == ["hazard"] * 3
+
+
 def test_hazard_answers_survival_before_its_first_fit():
     est = HazardEstimator(min_fit=50)
     assert est.predict(Features.of([0]), 80).source == ["prior"]

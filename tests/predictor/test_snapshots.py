@@ -148,11 +148,15 @@ def _answers(service) -> dict:
     got = {name: service.contributions(features, 40, name).estimate
            for name in ("exact_match", "survival")}
     exact = service.estimators["exact_match"]
+    keyed = service.estimators["hazard"].keyed_  # the hazard model's key curves
     return {"answers": {name: (e.c_hat.tolist(), e.p_fin.tolist(), e.source)
                         for name, e in got.items()},
             "k": exact.prior_weight_,
             "buckets": [(k, b.durations.tolist(), b.bins.tolist())
                         for k, b in exact.buckets_.items()],
+            "hazard key curves": (keyed.prior_weight_,
+                                  [(k, b.durations.tolist(), b.events.tolist())
+                                   for k, b in keyed.buckets_.items()]),
             "sums": list(service.estimators["hazard"].keys_.table.items()),
             "counts": (service.observations, service.model_version, service.last_id)}
 

@@ -52,7 +52,7 @@ from .subset import SubsetChoice, best_subset
 
 Stage1Rule = Literal["auto", "paper", "best-pair", "lpt", "auto-pair"]
 STAGE1_RULES = ("auto", "paper", "best-pair", "lpt", "auto-pair")
-AUTO_SHORT_POOL: Literal["lpt", "best-pair"] = "best-pair"  # BR-0's short-pool rule in auto
+AUTO_SHORT_POOL: Literal["lpt", "best-pair"] = "lpt"  # BR-0's short-pool rule in auto (README)
 MAX_ENUMERATED_SUBSETS = 4096  # Stage 2 with candidate rows: enumerate up to this many subsets
 _PROMPT_TOKENS = attrgetter("prompt_tokens")
 BR0_WINDOW_PER_WORKER = 4  # BR-0's default Stage-2 window: 4G requests ...

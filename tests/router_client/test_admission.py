@@ -166,7 +166,7 @@ def test_lpt_places_a_short_pool_largest_first_where_best_pair_places_it_last():
     assert [(a.pool_index, a.worker) for a in got] == [(0, 2), (1, 2)]
     # lpt: b (the largest) onto worker 2 (load 0), then a onto the least loaded of 500, 500,
     # 600 (worker 0, the lower index): loads 850, 500, 600, envelope 850 instead of 950
-    for rule in ("lpt",):
+    for rule in ("lpt", "auto"):
         got, stats = route_round(fleet, pool, BalanceRouteParams.br0(stage1=rule))
         assert [(a.pool_index, a.worker) for a in got] == [(1, 2), (0, 0)]
         assert stats.stage1_admissions == 2 and stats.stage2_admissions == 0

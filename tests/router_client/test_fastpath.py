@@ -87,7 +87,7 @@ def test_fast_stage1_breaks_ties_between_the_two_sides_like_the_reference(stage1
        stage1=st.sampled_from(STAGE1_RULES))
 def test_fast_path_same_decisions_at_g256(seed, free_share, pool_size, size_range, stage1):
     # the bench's scale: G = 256, B = 64, pool 4096 (a round reads only its head), or a pool
-    # shorter than the free slots (about 330 or 490 at the larger shares: auto is best-pair);
+    # shorter than the free slots (about 330 or 490 at the larger shares: auto is lpt);
     # small size ranges force ties in F, load and size
     fleet, pool = fleet_and_pool(seed, 256, 64, pool_size, size_range, free_share)
     params = BalanceRouteParams.br0(stage1=stage1)

@@ -16,7 +16,8 @@ What a seed changes ("replicate" k = 0, 1, 2, ...):
     ``k*N .. (k+1)*N`` of the trace (its own arrivals, another stretch of the hour).
 
 Every variant of a cell runs on the same requests and arrivals, so ratios to ltl are paired
-per replicate; ``table`` reports their mean and spread (min..max) over replicates. One JSON
+per replicate; ``table`` reports their mean and spread (min..max) over replicates
+(``--baseline pair``: ratios to another variant). One JSON
 line per run is appended as it finishes; ``run`` skips runs already in the file (resumable).
 """
 
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace) -> None:
             done.add((r["trace"], r["load"], r["workers"], r["rep"], r["variant"]))
     variants = args.variants.split(",")
     for trace, load, g, n in cells(args.requests, args.quick):
-        if args.workers and g not in args.workers:
+        if ((args.workers and g not in args.workers) or (args.traces and trace not in args.traces)
+                or (args.loads and load not in args.loads)):
             continue
         for k in range(args.seeds):
             reqs = replicate(trace, n, k, args.seeds)
@@ -111,12 +113,13 @@ def run(args: argparse.Namespace) -> None:
 def table(args: argparse.Namespace) -> None:
     rows = [json.loads(line) for line in args.json.read_text().splitlines() if line]
     by = {(r["trace"], r["load"], r["workers"], r["rep"], r["variant"]): r for r in rows}
-    variants = [v for v in args.variants.split(",") if v != "ltl"]
+    base = args.baseline
+    variants = [v for v in args.variants.split(",") if v != base]
     groups: dict[tuple[str, float, int], list[int]] = defaultdict(list)
     for trace, load, g, k, label in by:
-        if label == "ltl":
+        if label == base:
             groups[(trace, load, g)].append(k)
-    head = " | ".join(f"{v} I(k) / ltl | {v} tok/s / ltl" for v in variants)
+    head = " | ".join(f"{v} I(k) / {base} | {v} tok/s / {base}" for v in variants)
     print(f"| trace | load | G | reps | {head} |")
     print("|---|---|---|---|" + "---|---|" * len(variants))
     order = {t: i for i, t in enumerate(TRACES)}
@@ -124,7 +127,7 @@ def table(args: argparse.Namespace) -> None:
         cols = []
         reps = sorted(groups[(trace, load, g)])
         for v in variants:
-            pairs = [(by[(trace, load, g, k, v)], by[(trace, load, g, k, "ltl")])
+            pairs = [(by[(trace, load, g, k, v)], by[(trace, load, g, k, base)])
                      for k in reps if (trace, load, g, k, v) in by]
             if not pairs:
                 cols += ["", ""]
@@ -133,7 +136,7 @@ def table(args: argparse.Namespace) -> None:
             tok = [a["throughput_tok_s"] / b["throughput_tok_s"] for a, b in pairs]
             cols.append(f"{mean(imb):.3f} ({min(imb):.3f}..{max(imb):.3f})")
             cols.append(f"{mean(tok):.4f} ({min(tok):.4f}..{max(tok):.4f})")
-        print(f"| {trace} | {load} | {g} | {len(reps)} | " + " | ".join(cols) + " |")
+        print(f"| {trace} | {load} | {g} | {len(pairs)} | " + " | ".join(cols) + " |")
 
 
 def main() -> None:
@@ -142,8 +145,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--baseline", default="ltl", help="table: ratios to this variant")
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--workers", type=lambda s: {int(w) for w in s.split(",")}, default=None)
+    ap.add_argument("--traces", type=lambda s: set(s.split(",")), default=None)
+    ap.add_argument("--loads", type=lambda s: {float(x) for x in s.split(",")}, default=None)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     run(args) if args.mode == "run" else table(args)

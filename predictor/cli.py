@@ -13,7 +13,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from proxy.cli import add_commands as add_serving_commands
-from router_client.admission import BalanceRouteParams
+from router_client.admission import STAGE1_RULES, BalanceRouteParams
 from router_client.errors import BalanceRouteError, ParameterError
 from router_client.predictors import Predictor
 from router_client.simulator import DEFAULT_STEP_COST, SimConfig, parse_step_cost
@@ -149,10 +149,11 @@ def _add_ab(sub) -> None:
                     help="Stage-2 candidates per worker (default min(4G, 64), BR-0 and BR-H)")
     ab.add_argument("--s-greedy", type=int, default=7,
                     help="Stage 1 runs while more slots than this are free (default 7)")
-    ab.add_argument("--stage1", default="auto", choices=["auto", "paper", "best-pair"],
-                    help="BR Stage-1 rule: auto (default: best (worker, request) pair while the "
-                    "pool is short, the paper's most-free-slots rule at saturation), paper, "
-                    "best-pair")
+    ab.add_argument("--stage1", default="auto", choices=list(STAGE1_RULES),
+                    help="BR Stage-1 rule: auto (default: while the pool is short, BR-0 admits "
+                    "largest first onto the least-loaded open worker (lpt) and BR-H takes the "
+                    "best (worker, request) pair; the paper's most-free-slots rule at "
+                    "saturation), paper, best-pair, lpt, auto-pair (best pair on a short pool)")
     ab.add_argument("--out", type=Path, default=None, help="directory for CSV and PNG plots")
     ab.add_argument("--json", type=Path, default=None, help="write the result rows here")
     ab.add_argument("--predictor-url", default=None,

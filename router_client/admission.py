@@ -7,11 +7,16 @@ Stage 1, while the free slots ``S_tot`` exceed ``s_greedy``, admits one request 
     index) takes the single waiting request with the highest F.
   - ``stage1="best-pair"``: the (worker, request) pair with the highest F over all workers with
     free slots (ties: lower load, lower index, earlier request).
-  - ``stage1="auto"`` (default): ``best-pair`` while the pool is short (no more waiting
-    requests than free slots: every request is admitted this round, only *where* matters, and
-    "most free slots" would act like JSQ), the paper's rule otherwise (saturation: *which*
-    request fills a slot is what pays). The pool is short in that sense for the whole round,
-    so Stage 2 is not needed then.
+  - ``stage1="lpt"``: while the pool is short (no more waiting requests than free slots:
+    every request is admitted this round, only *where* matters, and "most free slots" would
+    act like JSQ), the largest waiting request first (ties: the earliest), onto the open
+    worker with the lowest ``load + lpt_count_weight * active requests`` (ties: lower index):
+    longest-processing-time-first list scheduling; the paper's rule otherwise (saturation:
+    *which* request fills a slot is what pays). The pool is short in that sense for the whole
+    round, so Stage 2 is not needed then.
+  - ``stage1="auto-pair"``: ``best-pair`` while the pool is short, the paper's rule otherwise.
+  - ``stage1="auto"`` (default): :data:`AUTO_SHORT_POOL` while the pool is short (BR-H keeps
+    ``best-pair`` there: its F already looks ahead), the paper's rule otherwise.
 Stage 2, when ``S_tot <= s_greedy``: workers with free slots are taken in order of free slots,
 then margin (most first); each takes the subset of the first ``r_max`` waiting requests, of
 size at most its free slots, that maximizes F (:mod:`router_client.subset`).
@@ -45,7 +50,9 @@ from .fscore import MarginTable, candidate_rows, discounts
 from .projection import mixture_loads, projected_loads
 from .subset import SubsetChoice, best_subset
 
-Stage1Rule = Literal["auto", "paper", "best-pair"]
+Stage1Rule = Literal["auto", "paper", "best-pair", "lpt", "auto-pair"]
+STAGE1_RULES = ("auto", "paper", "best-pair", "lpt", "auto-pair")
+AUTO_SHORT_POOL: Literal["lpt", "best-pair"] = "lpt"  # BR-0's short-pool rule in auto (README)
 MAX_ENUMERATED_SUBSETS = 4096  # Stage 2 with candidate rows: enumerate up to this many subsets
 _PROMPT_TOKENS = attrgetter("prompt_tokens")
 BR0_WINDOW_PER_WORKER = 4  # BR-0's default Stage-2 window: 4G requests ...
@@ -79,6 +86,8 @@ class BalanceRouteParams:
         s_greedy: Stage 1 runs while the fleet's free slots exceed this.
         stage1_candidates: Stage 1 looks at the first this-many waiting requests.
         stage1: Stage-1 rule, see the module docstring.
+        lpt_count_weight: the ``lpt`` rule's worker key is ``load + this * active requests``
+            (0: the load alone).
         candidate_life: score a candidate by its projected added work ``(s + h) * alive_h``
             (its own ``c_hat``, from ``FleetView.pool_c_hat``; unknown: alive over the window)
             instead of the paper's constant ``D = s`` over the whole window.
@@ -98,6 +107,7 @@ class BalanceRouteParams:
     s_greedy: int = 7
     stage1_candidates: int = 1024
     stage1: Stage1Rule = "auto"
+    lpt_count_weight: float = 0.0
     candidate_life: bool = True
     refill: bool = False
 
@@ -120,8 +130,10 @@ class BalanceRouteParams:
             raise ParameterError("s_greedy", "must be >= 0")
         if self.stage1_candidates < 1:
             raise ParameterError("stage1_candidates", "must be >= 1")
-        if self.stage1 not in ("auto", "paper", "best-pair"):
-            raise ParameterError("stage1", "must be one of auto, paper, best-pair")
+        if self.stage1 not in STAGE1_RULES:
+            raise ParameterError("stage1", f"must be one of {', '.join(STAGE1_RULES)}")
+        if not self.lpt_count_weight >= 0:
+            raise ParameterError("lpt_count_weight", "must be >= 0")
 
     @classmethod
     def br0(cls, **overrides: object) -> BalanceRouteParams:
@@ -145,6 +157,19 @@ class BalanceRouteParams:
             )
         return float(self.beta)
 
+    def stage1_rule(self, short_pool: bool) -> tuple[Literal["paper", "best-pair", "lpt"], bool]:
+        """The Stage-1 rule of a round, and whether it runs until every slot is used (a short
+        pool under ``auto``, ``auto-pair`` or ``lpt``) instead of down to ``s_greedy``."""
+        if self.stage1 == "paper" or self.stage1 == "best-pair":
+            return self.stage1, False
+        if not short_pool:
+            return "paper", False
+        if self.stage1 == "auto-pair" or (self.stage1 == "auto" and self.horizon > 0):
+            return "best-pair", True
+        if self.stage1 == "lpt":
+            return "lpt", True
+        return AUTO_SHORT_POOL, True
+
     def effective_r_max(self, workers: int) -> int:
         """``r_max``, or the default window when unset (see the attribute)."""
         if self.r_max is not None:
@@ -158,6 +183,7 @@ class BalanceRouteParams:
             s_greedy=self.s_greedy,
             stage1_candidates=self.stage1_candidates,
             stage1=self.stage1,
+            lpt_count_weight=self.lpt_count_weight,
         )
 
 
@@ -296,6 +322,8 @@ class _Round:
             self.rows = candidate_rows(self.sizes, pool_c_hat, params.horizon, refill)
         self.waiting = list(range(head))  # pool indices still waiting, in arrival order
         self.short_pool = len(pool) <= self.total_free
+        self.rule, whole = params.stage1_rule(self.short_pool)
+        self.threshold = 0 if whole else params.s_greedy
         self.out: list[Assignment] = []
         self.exact = False
 
@@ -316,9 +344,7 @@ class _Round:
     def fast_stage1(self) -> bool:
         """Stage 1 by :mod:`router_client.fastpath`; False (nothing done) where it does not
         apply."""
-        params, rule = self.params, self.params.stage1
-        pair = rule == "best-pair" or (rule == "auto" and self.short_pool)
-        threshold = 0 if (rule == "auto" and self.short_pool) else params.s_greedy
+        params, rule, threshold = self.params, self.rule, self.threshold
         if self.total_free <= threshold:
             return params.horizon == 0  # no Stage-1 admission either way
         loads = self.table.loads[:, 0]
@@ -326,7 +352,10 @@ class _Round:
             return False
         self.exact = True  # the fast path applies to this round (checked once)
         window = fastpath.Window(self.sizes, self.waiting, params.stage1_candidates)
-        if pair:
+        if rule == "lpt":
+            done = fastpath.stage1_lpt(loads, self.free, window, self.fleet.capacity,
+                                       params.lpt_count_weight)
+        elif rule == "best-pair":
             done = fastpath.stage1_best_pair(loads, self.free, window, self.table.beta,
                                              threshold)
         else:
@@ -363,9 +392,11 @@ class _Round:
         return True
 
     def stage1(self) -> None:
-        params, rule = self.params, self.params.stage1
-        if rule == "best-pair" or (rule == "auto" and self.short_pool):
-            threshold = 0 if (rule == "auto" and self.short_pool) else params.s_greedy
+        params, rule, threshold = self.params, self.rule, self.threshold
+        if rule == "lpt":
+            self.stage1_lpt()
+            return
+        if rule == "best-pair":
             while self.waiting and self.total_free > threshold:
                 worker, pos = _best_pair(self.table, self.free,
                                          self.waiting[: params.stage1_candidates], self.score)
@@ -378,6 +409,19 @@ class _Round:
             worker = int(order[0])
             scores = self.score(worker, self.waiting[: params.stage1_candidates])
             pos = int(np.argmax(scores))  # first maximum: the earliest request
+            self.admit(worker, self.waiting.pop(pos))
+            self.stats.stage1_admissions += 1
+
+    def stage1_lpt(self) -> None:
+        """The ``lpt`` rule (a short pool: every request is admitted): the largest of the first
+        ``stage1_candidates`` waiting (the earliest of ties) onto the open worker with the
+        lowest ``load + lpt_count_weight * active requests`` (ties: lower index)."""
+        weight, capacity = self.params.lpt_count_weight, self.fleet.capacity
+        while self.waiting and self.total_free > 0:
+            candidates = self.waiting[: self.params.stage1_candidates]
+            pos = int(np.argmax(self.sizes[candidates]))  # first maximum: the earliest
+            key = self.table.loads[:, 0] + weight * (capacity - self.free)
+            worker = int(np.argmin(np.where(self.free > 0, key, np.inf)))
             self.admit(worker, self.waiting.pop(pos))
             self.stats.stage1_admissions += 1
 

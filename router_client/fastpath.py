@@ -10,6 +10,8 @@ reference's tie rule (``argmax``: the first maximum in arrival order).
 - ``paper`` rule: the worker with the most free slots (ties: lower load, lower index) comes
   off a heap keyed exactly like the reference's ``lexsort``; only the admitting worker's key
   changes, so it is pushed back and nothing else moves.
+- ``lpt`` rule (a short pool): the window's largest request onto the open worker with the
+  lowest key (``load + weight * active requests``), from a heap of the open workers.
 - ``best-pair`` rule: every open worker's best request is found at once with
   ``numpy.searchsorted`` over the sorted window (vectorized across workers), then the pair is
   chosen with the reference's key ``(-F, load, worker, request)``.
@@ -161,6 +163,31 @@ def stage1_paper(loads: np.ndarray, free: np.ndarray, window: Window, beta: floa
         total -= 1
         admitted.append((index, worker))
         heapq.heappush(heap, (-slots[worker], load[worker], worker))
+    return Stage1Result(admitted, np.asarray(load), np.asarray(slots, dtype=np.int64))
+
+
+def stage1_lpt(loads: np.ndarray, free: np.ndarray, window: Window, capacity: int,
+               weight: float) -> Stage1Result:
+    """The ``lpt`` rule on a short pool: the window's largest request (the earliest of its
+    size: the first entry of the last run) onto the open worker with the lowest ``load +
+    weight * active requests`` (ties: lower index), from a heap of the open workers, until
+    every request or every slot is used."""
+    load = loads.astype(np.float64).tolist()
+    slots = free.astype(np.int64).tolist()
+    heap = [(load[g] + weight * (capacity - slots[g]), g)
+            for g in np.flatnonzero(free > 0).tolist()]
+    heapq.heapify(heap)
+    admitted: list[tuple[int, int]] = []
+    while len(window) and heap:
+        _, worker = heapq.heappop(heap)
+        size = window.key_size[-1]
+        index = window.key_index[bisect_left(window.key_size, size)]
+        window.remove(size, index)
+        load[worker] += size
+        slots[worker] -= 1
+        admitted.append((index, worker))
+        if slots[worker] > 0:
+            heapq.heappush(heap, (load[worker] + weight * (capacity - slots[worker]), worker))
     return Stage1Result(admitted, np.asarray(load), np.asarray(slots, dtype=np.int64))
 
 

@@ -3,7 +3,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router_client.admission import BalanceRouteParams, route_round, turnover_gamma
+from router_client.admission import (
+    STAGE1_RULES,
+    BalanceRouteParams,
+    route_round,
+    turnover_gamma,
+)
 from router_client.errors import ParameterError, UnknownPolicyError
 from router_client.fleet import FleetView, WaitingRequest
 from router_client.policies import BalanceRoutePolicy, make_policy
@@ -25,7 +30,7 @@ def random_pool(rng, n):
 
 @given(seed=st.integers(0, 2**32 - 1), workers=st.integers(1, 6), capacity=st.integers(1, 6),
        pool_size=st.integers(0, 40), policy=st.sampled_from(ALL),
-       stage1=st.sampled_from(["auto", "paper", "best-pair"]))
+       stage1=st.sampled_from(STAGE1_RULES))
 def test_round_invariants(seed, workers, capacity, pool_size, policy, stage1):
     rng = np.random.default_rng(seed)
     fleet = random_fleet(rng, workers, capacity)
@@ -46,7 +51,7 @@ def test_round_invariants(seed, workers, capacity, pool_size, policy, stage1):
 
 
 @given(seed=st.integers(0, 2**32 - 1), workers=st.integers(1, 8), capacity=st.integers(1, 8),
-       pool_size=st.integers(0, 30), stage1=st.sampled_from(["auto", "paper", "best-pair"]),
+       pool_size=st.integers(0, 30), stage1=st.sampled_from(STAGE1_RULES),
        gamma=st.floats(0.1, 1.0))
 def test_brh_with_h0_alpha1_betaG_is_br0(seed, workers, capacity, pool_size, stage1, gamma):
     rng = np.random.default_rng(seed)
@@ -148,6 +153,45 @@ def test_auto_stage1_places_like_least_load_when_the_pool_is_short():
     assert got[0].worker == 1  # the least loaded worker, not the one with most free slots
     got, _ = route_round(fleet, pool, BalanceRouteParams.br0(stage1="paper"))
     assert got[0].worker == 2  # paper rule: most free slots
+
+
+def test_lpt_places_a_short_pool_largest_first_where_best_pair_places_it_last():
+    # G = 3, B = 4; loads 500, 500, 0 (envelope 500, margins 0, 0, 500); pool a = 350, b = 600
+    fleet = FleetView(4, np.array([500.0, 500.0, 0.0]), np.array([1, 1, 0]),
+                      np.array([0, 1]), np.array([500.0, 500.0]))
+    pool = [WaitingRequest("a", 350), WaitingRequest("b", 600)]
+    # best-pair: worker 2 scores a at F = 350 (fits) and b at 600 - 3 * 100 = 300, so a goes
+    # first; then b overflows everywhere and lands on worker 2 too: loads 500, 500, 950
+    got, _ = route_round(fleet, pool, BalanceRouteParams.br0(stage1="auto-pair"))
+    assert [(a.pool_index, a.worker) for a in got] == [(0, 2), (1, 2)]
+    # lpt: b (the largest) onto worker 2 (load 0), then a onto the least loaded of 500, 500,
+    # 600 (worker 0, the lower index): loads 850, 500, 600, envelope 850 instead of 950
+    for rule in ("lpt", "auto"):
+        got, stats = route_round(fleet, pool, BalanceRouteParams.br0(stage1=rule))
+        assert [(a.pool_index, a.worker) for a in got] == [(1, 2), (0, 0)]
+        assert stats.stage1_admissions == 2 and stats.stage2_admissions == 0
+
+
+def test_lpt_count_weight_prefers_the_worker_with_fewer_active_requests():
+    # loads 500, 500, 0 with 3, 1 and 0 active requests; weight 10: keys 530, 510, 0
+    fleet = FleetView(4, np.array([500.0, 500.0, 0.0]), np.array([3, 1, 0]),
+                      np.array([0, 0, 0, 1]), np.array([200.0, 200.0, 100.0, 500.0]))
+    pool = [WaitingRequest("a", 350), WaitingRequest("b", 600)]
+    params = BalanceRouteParams.br0(stage1="lpt", lpt_count_weight=10.0)
+    got, _ = route_round(fleet, pool, params)
+    assert [(a.pool_index, a.worker) for a in got] == [(1, 2), (0, 1)]
+    got, _ = route_round(fleet, pool, params, reference=True)
+    assert [(a.pool_index, a.worker) for a in got] == [(1, 2), (0, 1)]
+
+
+def test_lpt_applies_only_to_a_short_pool():
+    # 2 free slots in all, 3 waiting: not short, so lpt is the paper's rule (most free slots)
+    fleet = FleetView(2, np.array([900.0, 100.0]), np.array([1, 1]), np.array([0, 1]),
+                      np.array([900.0, 100.0]))
+    pool = [WaitingRequest(i, s) for i, s in enumerate([50, 700, 60])]
+    params = BalanceRouteParams.br0(stage1="lpt", s_greedy=0)
+    assert route_round(fleet, pool, params)[0] == route_round(
+        fleet, pool, BalanceRouteParams.br0(stage1="paper", s_greedy=0))[0]
 
 
 def test_stage2_and_starvation_guard():

@@ -21,6 +21,7 @@ from pydantic import (
 )
 from typing_extensions import TypedDict
 
+from router_client.admission import Stage1Rule
 from router_client.traces import key_of_text
 
 from .estimators import estimator_names
@@ -270,7 +271,7 @@ class AbComparisonIn(ReplayIn):
     workers: list[Workers] = Field(default_factory=lambda: [8], min_length=1, max_length=8)
     horizon: Annotated[int, Field(strict=True, ge=1, le=4096)] = 80
     requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] | None = None
-    stage1: Literal["auto", "paper", "best-pair"] = "auto"
+    stage1: Stage1Rule = "auto"
     source: Literal["observations"] | None = Field(
         None, description="replay the service's own stored observations")
     trace: TraceIn | None = None

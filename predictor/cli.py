@@ -16,6 +16,7 @@ from proxy.cli import add_commands as add_serving_commands
 from router_client.admission import STAGE1_RULES, BalanceRouteParams
 from router_client.errors import BalanceRouteError, ParameterError
 from router_client.predictors import Predictor
+from router_client.projection import END_POINTS
 from router_client.simulator import DEFAULT_STEP_COST, SimConfig, parse_step_cost
 from router_client.traces import FORMATS, Trace, load_trace
 
@@ -145,6 +146,10 @@ def _add_ab(sub) -> None:
     ab.add_argument("--turnover-scale", type=float, default=TURNOVER_SCALE_DEFAULT,
                     help="with --gamma turnover: effective horizon in units of the steps "
                     f"between admissions to a worker (default {TURNOVER_SCALE_DEFAULT:g})")
+    ab.add_argument("--end-points", type=int, default=END_POINTS,
+                    help="BR-H with a learned predictor: spread the end time of a request "
+                    "that ends within the window over this many points of a uniform law with "
+                    f"mean mu_rem (0: all at mu_rem, the point law; default {END_POINTS})")
     ab.add_argument("--rmax", type=int, default=None,
                     help="Stage-2 candidates per worker (default min(4G, 64), BR-0 and BR-H)")
     ab.add_argument("--s-greedy", type=int, default=7,
@@ -283,7 +288,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
         params=BalanceRouteParams(beta=args.beta, gamma=args.gamma, r_max=args.rmax,
                                   turnover_scale=args.turnover_scale,
                                   s_greedy=args.s_greedy, stage1=args.stage1,
-                                  candidate_life=args.candidate_life, refill=args.refill),
+                                  candidate_life=args.candidate_life, refill=args.refill,
+                                  end_points=args.end_points),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

@@ -47,7 +47,7 @@ from . import fastpath
 from .errors import ContractError, ParameterError
 from .fleet import Assignment, FleetView, WaitingRequest
 from .fscore import MarginTable, candidate_rows, discounts
-from .projection import mixture_loads, projected_loads
+from .projection import END_POINTS, mixture_loads, projected_loads
 from .subset import SubsetChoice, best_subset
 
 Stage1Rule = Literal["auto", "paper", "best-pair", "lpt", "auto-pair"]
@@ -96,6 +96,10 @@ class BalanceRouteParams:
             candidate's own) as taken at once by a request of the pool's mean prompt, growing
             from there, instead of left empty. Off by default: with true lengths it helps at
             long horizons (H 200, gamma 0.97) and hurts at the default one (see the README).
+        end_points: with a predictor's ``p_fin`` and ``mu_rem``, the end time of a request
+            that ends within the window is spread over this many points of a uniform law
+            with mean ``mu_rem`` (:func:`router_client.projection.mixture_loads`); 0: all at
+            ``mu_rem`` (the point law, the previous default).
     """
 
     horizon: int = 80
@@ -110,6 +114,7 @@ class BalanceRouteParams:
     lpt_count_weight: float = 0.0
     candidate_life: bool = True
     refill: bool = False
+    end_points: int = END_POINTS
 
     def __post_init__(self) -> None:
         if self.horizon < 0:
@@ -128,6 +133,8 @@ class BalanceRouteParams:
             raise ParameterError("r_max", "must be >= 1")
         if self.s_greedy < 0:
             raise ParameterError("s_greedy", "must be >= 0")
+        if self.end_points < 0:
+            raise ParameterError("end_points", "must be >= 0 (0: the point law)")
         if self.stage1_candidates < 1:
             raise ParameterError("stage1_candidates", "must be >= 1")
         if self.stage1 not in STAGE1_RULES:
@@ -211,7 +218,7 @@ def build_table(fleet: FleetView, params: BalanceRouteParams,
     if fleet.active_p_fin is not None and fleet.active_mu_rem is not None:
         loads = mixture_loads(fleet.workers, params.horizon, fleet.active_worker,
                               fleet.active_size, fleet.active_p_fin, fleet.active_mu_rem,
-                              refill=refill)
+                              refill=refill, end_points=params.end_points)
     else:
         loads = projected_loads(fleet.workers, params.horizon, fleet.active_worker,
                                 fleet.active_size, fleet.active_c_hat, refill=refill)

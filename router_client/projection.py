@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+END_POINTS = 4  # points of the spread end-time law (mixture_loads); 0: the point law
+
 
 def mixture_loads(
     workers: int,
@@ -21,25 +23,41 @@ def mixture_loads(
     p_fin: np.ndarray,
     mu_rem: np.ndarray,
     refill: float | None = None,
+    end_points: int = END_POINTS,
 ) -> np.ndarray:
     """Expected loads when each request ends within H with probability ``p_fin``, after
     ``mu_rem`` steps on average if it does, and runs through the window otherwise.
 
-    The two-point law that the service's (``c_hat``, ``p_fin``, ``mu_rem``) describe: weight
-    ``p_fin`` of the request alive for ``mu_rem`` steps plus weight ``1 - p_fin`` alive
-    throughout. A deterministic step at ``c_hat = (1 - p_fin) H + p_fin mu_rem`` would
-    instead take a request that is as likely to end in 5 steps as to outlive the window for
-    one that surely runs 42 steps and then surely stops. With true lengths (``p_fin`` 0 or 1)
-    the two agree.
+    The law the service's (``c_hat``, ``p_fin``, ``mu_rem``) describe: weight ``1 - p_fin``
+    of the request alive throughout, weight ``p_fin`` of it ending at a time T within the
+    window with mean ``mu_rem``. A deterministic step at ``c_hat = (1 - p_fin) H + p_fin
+    mu_rem`` would take a request that is as likely to end in 5 steps as to outlive the
+    window for one that surely runs 42 steps and then surely stops.
+
+    T is uniform with mean ``mu`` inside the window: on ``[0, 2 mu]`` when ``mu <= H/2``, on
+    ``[2 mu - H, H]`` otherwise (a request with a constant hazard and a small ``p_fin`` ends
+    about uniformly over the window, ``mu`` near H/2), taken at ``end_points`` quantile
+    midpoints of weight ``p_fin / end_points``. ``end_points=0`` puts all of it at ``mu``
+    (the point law; it treats the mean end time as known, and a router that looks a few steps
+    ahead then sees no ending at all before ``mu``). The oracle does not come here: true
+    lengths are a deterministic ``c_hat`` (:func:`projected_loads`).
     """
     p = np.clip(np.asarray(p_fin, dtype=np.float64), 0.0, 1.0)
     mu = np.asarray(mu_rem, dtype=np.float64)
-    mu = np.where(np.isfinite(mu) & (p > 0), mu, float(horizon))
-    ending = projected_loads(workers, horizon, active_worker, active_size,
-                             np.minimum(mu, horizon - 1e-9), weight=p, refill=refill)
-    running = projected_loads(workers, horizon, active_worker, active_size,
-                              np.full(p.shape, float(horizon)), weight=1.0 - p)
-    return ending + running
+    mu = np.minimum(np.where(np.isfinite(mu) & (p > 0), mu, float(horizon)), horizon - 1e-9)
+    out = projected_loads(workers, horizon, active_worker, active_size,
+                          np.full(p.shape, float(horizon)), weight=1.0 - p)
+    if end_points <= 0:
+        return out + projected_loads(workers, horizon, active_worker, active_size, mu,
+                                     weight=p, refill=refill)
+    low = np.where(mu <= horizon / 2, 0.0, 2.0 * mu - horizon)
+    high = np.where(mu <= horizon / 2, 2.0 * mu, float(horizon))
+    for j in range(end_points):
+        end = low + (high - low) * (j + 0.5) / end_points
+        out += projected_loads(workers, horizon, active_worker, active_size,
+                               np.minimum(end, horizon - 1e-9), weight=p / end_points,
+                               refill=refill)
+    return out
 
 
 def projected_loads(

@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -47,7 +48,8 @@ def test_mixture_with_certain_outcomes_is_the_step_projection():
     remaining = rng.integers(1, 40, n)
     c_hat = np.minimum(remaining, horizon).astype(float)
     p_fin = (remaining < horizon).astype(float)
-    mixture = mixture_loads(workers, horizon, worker, size, p_fin, remaining.astype(float))
+    mixture = mixture_loads(workers, horizon, worker, size, p_fin, remaining.astype(float),
+                            end_points=0)
     step = projected_loads(workers, horizon, worker, size, c_hat)
     np.testing.assert_allclose(mixture, step)
 
@@ -55,9 +57,28 @@ def test_mixture_with_certain_outcomes_is_the_step_projection():
 def test_mixture_is_the_expected_load_of_the_two_point_law():
     # one request of size 100: ends after 5 steps with probability 0.5, else runs through H
     got = mixture_loads(1, 10, np.array([0]), np.array([100.0]), np.array([0.5]),
-                        np.array([5.0]))[0]
+                        np.array([5.0]), end_points=0)[0]
     want = [(100 + h) * (1.0 if h < 5 else 0.5) for h in range(11)]
     np.testing.assert_allclose(got, want)
+
+
+def test_spread_end_time_hand_worked():
+    # Size 100, p_fin 0.5, mu_rem 5, H 10: the ending half ends uniformly on [0, 10], at the
+    # quantile midpoints 1.25, 3.75, 6.25, 8.75 (weight 1/8 each). Alive weight at step h:
+    # 1/2 + 1/8 * (alive at h of each), a point at t alive fully before floor(t), t - floor(t)
+    # at floor(t). h = 1: 0.25 + 1 + 1 + 1 -> 0.5 + 3.25 / 8 = 0.90625, and so on.
+    alive = [1.0, 0.90625, 0.875, 0.84375, 0.75, 0.75, 0.65625, 0.625, 0.59375, 0.5, 0.5]
+    got = mixture_loads(1, 10, np.array([0]), np.array([100.0]), np.array([0.5]),
+                        np.array([5.0]), end_points=4)[0]
+    np.testing.assert_allclose(got, [(100 + h) * a for h, a in enumerate(alive)])
+    # mu_rem 8 > H/2: uniform on [6, 10], points 6.5, 7.5, 8.5, 9.5: all alive up to h = 5
+    late = mixture_loads(1, 10, np.array([0]), np.array([100.0]), np.array([1.0]),
+                         np.array([8.0]), end_points=4)[0]
+    alive = [1, 1, 1, 1, 1, 1, 0.875, 0.625, 0.375, 0.125, 0.0]
+    np.testing.assert_allclose(late, [(100 + h) * a for h, a in enumerate(alive)])
+    # a point at t is alive for t steps in all (floor(t) whole, the fraction at floor(t)):
+    # the expected alive steps are the law's mean, mu_rem
+    assert sum(alive) == pytest.approx(8.0)
 
 
 def test_refill_takes_an_emptied_slot_hand_worked() -> None:

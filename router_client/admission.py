@@ -15,8 +15,10 @@ Stage 1, while the free slots ``S_tot`` exceed ``s_greedy``, admits one request 
     *which* request fills a slot is what pays). The pool is short in that sense for the whole
     round, so Stage 2 is not needed then.
   - ``stage1="auto-pair"``: ``best-pair`` while the pool is short, the paper's rule otherwise.
-  - ``stage1="auto"`` (default): :data:`AUTO_SHORT_POOL` while the pool is short (BR-H keeps
-    ``best-pair`` there: its F already looks ahead), the paper's rule otherwise.
+    BR-H takes the largest first too, onto the open worker where its F (which looks ahead) is
+    highest (ties: lower load, lower index); for BR-0 that is the least-loaded one.
+  - ``stage1="auto"`` (default): :data:`AUTO_SHORT_POOL` while the pool is short, the paper's
+    rule otherwise.
 Stage 2, when ``S_tot <= s_greedy``: workers with free slots are taken in order of free slots,
 then margin (most first); each takes the subset of the first ``r_max`` waiting requests, of
 size at most its free slots, that maximizes F (:mod:`router_client.subset`).
@@ -171,7 +173,7 @@ class BalanceRouteParams:
             return self.stage1, False
         if not short_pool:
             return "paper", False
-        if self.stage1 == "auto-pair" or (self.stage1 == "auto" and self.horizon > 0):
+        if self.stage1 == "auto-pair":
             return "best-pair", True
         if self.stage1 == "lpt":
             return "lpt", True
@@ -427,10 +429,21 @@ class _Round:
         while self.waiting and self.total_free > 0:
             candidates = self.waiting[: self.params.stage1_candidates]
             pos = int(np.argmax(self.sizes[candidates]))  # first maximum: the earliest
-            key = self.table.loads[:, 0] + weight * (capacity - self.free)
-            worker = int(np.argmin(np.where(self.free > 0, key, np.inf)))
+            if self.params.horizon > 0:
+                worker = self._best_worker(candidates[pos])
+            else:
+                key = self.table.loads[:, 0] + weight * (capacity - self.free)
+                worker = int(np.argmin(np.where(self.free > 0, key, np.inf)))
             self.admit(worker, self.waiting.pop(pos))
             self.stats.stage1_admissions += 1
+
+    def _best_worker(self, index: int) -> int:
+        """The open worker where request ``index`` scores the highest F (ties: lower load,
+        lower index)."""
+        open_workers = np.flatnonzero(self.free > 0)
+        scores = np.array([float(self.score(int(g), [index])[0]) for g in open_workers])
+        order = np.lexsort((open_workers, self.table.loads[open_workers, 0], -scores))
+        return int(open_workers[order[0]])
 
     def stage2(self) -> None:
         if not self.waiting or self.total_free <= 0:

@@ -1,8 +1,10 @@
 """G sweep with per-worker load fixed: throughput over least-token-load and share of the
-balanced bound by G, for BR-0 (default parameters); one JSON line per run, then a PNG.
+balanced bound by G, for BR-0 and BR-H (default parameters; ``--policies``, with
+``brh-oracle`` for true lengths and ``brh-<estimator>`` for a learned one); one JSON line per
+run, then a PNG.
 
-    python tools/g_sweep.py --trace synth:long --workers 4,8,16,32,64,128 \
-        --per-worker 150 --json out.jsonl --png docs/g-sweep.png
+    python tools/g_sweep.py --trace synth:long --workers 4,8,16,32,64,128,256 \
+        --per-worker 150 --policies ltl,br0,brh-oracle --json out.jsonl --png docs/g-sweep.png
 
 ``synth:*`` traces are synthesized with ``per-worker * G`` requests; a file trace is replayed
 whole at every G (load 1.0 rescales its arrivals to the fleet). ``--plot-only`` redraws.
@@ -18,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from predictor.abtest import make_predictor  # noqa: E402
 from router_client.policies import make_policy  # noqa: E402
 from router_client.simulator import SimConfig, simulate  # noqa: E402
 from router_client.synth import synthesize  # noqa: E402
@@ -32,9 +35,10 @@ def run(args: argparse.Namespace) -> None:
             trace = load_trace(args.trace, "auto", None)
         load: float | str = args.load if args.load == "backlog" else float(args.load)
         config = SimConfig(workers=g, batch=args.batch, load=load, seed=args.seed)
-        for name in ("ltl", "br0"):
+        for name in args.policies.split(","):
             started = time.time()
-            row = simulate(trace, make_policy(name, args.seed), config).row
+            row = simulate(trace, make_policy(name, args.seed), config,
+                           make_predictor(name, trace)).row
             row.update(trace=args.trace, load=str(load), wall_s=round(time.time() - started, 1))
             with args.json.open("a") as out:
                 out.write(json.dumps(row) + "\n")
@@ -56,10 +60,18 @@ def plot(paths: list[Path], png: Path) -> None:
                      key=lambda r: r["workers"])
         gs = [r["workers"] for r in br0]
         label = rows[0]["trace"].split("/")[-1]
-        left.plot(gs, [r["throughput_tok_s"] / ltl[r["workers"]]["throughput_tok_s"]
-                       for r in br0], marker="o", color=color, label=f"BR-0, {label}")
-        right.plot(gs, [r["throughput_tok_s"] / r["balanced_bound_tok_s"] for r in br0],
-                   marker="o", color=color, label=f"BR-0, {label}")
+        brh = sorted((r for r in rows if r["policy"] == "brh-oracle" and r["workers"] in ltl),
+                     key=lambda r: r["workers"])
+        for runs, marker, style, name in ((br0, "o", "-", "BR-0"),
+                                          (brh, "s", ":", "BR-H, true lengths")):
+            if not runs:
+                continue
+            hs = [r["workers"] for r in runs]
+            left.plot(hs, [r["throughput_tok_s"] / ltl[r["workers"]]["throughput_tok_s"]
+                           for r in runs], marker=marker, linestyle=style, color=color,
+                      label=f"{name}, {label}")
+            right.plot(hs, [r["throughput_tok_s"] / r["balanced_bound_tok_s"] for r in runs],
+                       marker=marker, linestyle=style, color=color, label=f"{name}, {label}")
         right.plot(gs, [ltl[g]["throughput_tok_s"] / ltl[g]["balanced_bound_tok_s"] for g in gs],
                    marker="x", linestyle="--", color=color,
                    label=f"least-token-load, {label}")
@@ -82,6 +94,8 @@ def main() -> None:
     ap.add_argument("--load", default="1.0")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policies", default="ltl,br0",
+                    help="comma-separated; ltl is needed as the baseline of the plot")
     ap.add_argument("--json", type=Path, action="append", required=True)
     ap.add_argument("--png", type=Path, default=None)
     ap.add_argument("--plot-only", action="store_true")

@@ -184,6 +184,22 @@ def test_lpt_count_weight_prefers_the_worker_with_fewer_active_requests():
     assert [(a.pool_index, a.worker) for a in got] == [(1, 2), (0, 1)]
 
 
+def test_brh_lpt_places_the_largest_where_its_lookahead_scores_best():
+    # Loads 500, 400, 450, one request each; worker 0's ends after this step (c_hat 1), the
+    # others run through the window. A request of 300 (short pool): BR-0's lpt takes the least
+    # loaded now (worker 1); BR-H's F sees worker 0 empty from step 1 on (margin 450 + h
+    # against 50 on worker 1: it overflows only at step 0 there) and takes worker 0.
+    fleet = FleetView(4, np.array([500.0, 400.0, 450.0]), np.array([1, 1, 1]),
+                      np.array([0, 1, 2]), np.array([500.0, 400.0, 450.0]),
+                      active_c_hat=np.array([1.0, 10.0, 10.0]))
+    pool = [WaitingRequest("a", 300)]
+    got, _ = route_round(fleet, pool, BalanceRouteParams.br0())
+    assert [(a.pool_index, a.worker) for a in got] == [(0, 1)]
+    got, stats = route_round(fleet, pool, BalanceRouteParams(horizon=10, gamma=0.9))
+    assert [(a.pool_index, a.worker) for a in got] == [(0, 0)]
+    assert stats.stage1_admissions == 1
+
+
 def test_lpt_applies_only_to_a_short_pool():
     # 2 free slots in all, 3 waiting: not short, so lpt is the paper's rule (most free slots)
     fleet = FleetView(2, np.array([900.0, 100.0]), np.array([1, 1]), np.array([0, 1]),

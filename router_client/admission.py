@@ -17,8 +17,9 @@ Stage 1, while the free slots ``S_tot`` exceed ``s_greedy``, admits one request 
   - ``stage1="auto-pair"``: ``best-pair`` while the pool is short, the paper's rule otherwise.
     BR-H takes the largest first too, onto the open worker where its F (which looks ahead) is
     highest (ties: lower load, lower index); for BR-0 that is the least-loaded one.
-  - ``stage1="auto"`` (default): :data:`AUTO_SHORT_POOL` while the pool is short, the paper's
-    rule otherwise.
+  - ``stage1="auto"`` (default): :data:`AUTO_SHORT_POOL` while the pool is short (BR-H keeps
+    ``best-pair`` there: lpt with its F measured no better, see the README), the paper's rule
+    otherwise.
 Stage 2, when ``S_tot <= s_greedy``: workers with free slots are taken in order of free slots,
 then margin (most first); each takes the subset of the first ``r_max`` waiting requests, of
 size at most its free slots, that maximizes F (:mod:`router_client.subset`).
@@ -173,7 +174,7 @@ class BalanceRouteParams:
             return self.stage1, False
         if not short_pool:
             return "paper", False
-        if self.stage1 == "auto-pair":
+        if self.stage1 == "auto-pair" or (self.stage1 == "auto" and self.horizon > 0):
             return "best-pair", True
         if self.stage1 == "lpt":
             return "lpt", True

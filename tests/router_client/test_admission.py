@@ -185,6 +185,7 @@ def test_lpt_count_weight_prefers_the_worker_with_fewer_active_requests():
 
 
 def test_brh_lpt_places_the_largest_where_its_lookahead_scores_best():
+    """``stage1="lpt"`` with BR-H (auto keeps best-pair for BR-H)."""
     # Loads 500, 400, 450, one request each; worker 0's ends after this step (c_hat 1), the
     # others run through the window. A request of 300 (short pool): BR-0's lpt takes the least
     # loaded now (worker 1); BR-H's F sees worker 0 empty from step 1 on (margin 450 + h
@@ -195,7 +196,8 @@ def test_brh_lpt_places_the_largest_where_its_lookahead_scores_best():
     pool = [WaitingRequest("a", 300)]
     got, _ = route_round(fleet, pool, BalanceRouteParams.br0())
     assert [(a.pool_index, a.worker) for a in got] == [(0, 1)]
-    got, stats = route_round(fleet, pool, BalanceRouteParams(horizon=10, gamma=0.9))
+    got, stats = route_round(fleet, pool, BalanceRouteParams(horizon=10, gamma=0.9,
+                                                             stage1="lpt"))
     assert [(a.pool_index, a.worker) for a in got] == [(0, 0)]
     assert stats.stage1_admissions == 1
 

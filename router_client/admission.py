@@ -13,10 +13,10 @@ Stage 1, while the free slots ``S_tot`` exceed ``s_greedy``, admits one request 
     worker with the lowest ``load + lpt_count_weight * active requests`` (ties: lower index):
     longest-processing-time-first list scheduling; the paper's rule otherwise (saturation:
     *which* request fills a slot is what pays). The pool is short in that sense for the whole
-    round, so Stage 2 is not needed then.
+    round, so Stage 2 is not needed then. BR-H takes the largest first too, onto the open
+    worker where its F (which looks ahead) is highest (ties: lower load, lower index); for
+    BR-0 that is the least-loaded one.
   - ``stage1="auto-pair"``: ``best-pair`` while the pool is short, the paper's rule otherwise.
-    BR-H takes the largest first too, onto the open worker where its F (which looks ahead) is
-    highest (ties: lower load, lower index); for BR-0 that is the least-loaded one.
   - ``stage1="auto"`` (default): :data:`AUTO_SHORT_POOL` while the pool is short (BR-H keeps
     ``best-pair`` there: lpt with its F measured no better, see the README), the paper's rule
     otherwise.
@@ -42,7 +42,7 @@ from itertools import combinations, islice
 from math import comb
 from operator import attrgetter
 from time import perf_counter
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -54,7 +54,7 @@ from .projection import END_POINTS, mixture_loads, projected_loads
 from .subset import SubsetChoice, best_subset
 
 Stage1Rule = Literal["auto", "paper", "best-pair", "lpt", "auto-pair"]
-STAGE1_RULES = ("auto", "paper", "best-pair", "lpt", "auto-pair")
+STAGE1_RULES: tuple[str, ...] = get_args(Stage1Rule)
 AUTO_SHORT_POOL: Literal["lpt", "best-pair"] = "lpt"  # BR-0's short-pool rule in auto (README)
 MAX_ENUMERATED_SUBSETS = 4096  # Stage 2 with candidate rows: enumerate up to this many subsets
 _PROMPT_TOKENS = attrgetter("prompt_tokens")

@@ -412,7 +412,7 @@ class CalibrationTracker:
         self.slot_c = np.zeros((max_pending, width))
         self.slot_has = np.zeros((max_pending, width), dtype=bool)
         self.slot_hit = np.zeros((max_pending, width), dtype=bool)
-        self.pending: dict[str, tuple[int, ...]] = {}
+        self.pending: dict[str, list[int]] = {}  # request -> its slots, oldest first
         self.pending_count = 0
         self.dropped = 0
         self.next_slot = 0  # sequence number of the next recorded prediction
@@ -436,7 +436,11 @@ class CalibrationTracker:
         self.slot_owner[slot] = request_id
         self.slot_caller[slot] = caller
         self.slot_seq[slot] = seq
-        self.pending[request_id] = (*self.pending.get(request_id, ()), slot)
+        slots = self.pending.get(request_id)
+        if slots is None:
+            self.pending[request_id] = [slot]
+        else:  # appended, not copied: a request asked about again and again stays O(1)
+            slots.append(slot)
         self.pending_count += 1
         self.caller_count[caller] = self.caller_count.get(caller, 0) + 1
         queue = self.callers.setdefault(caller, deque())
@@ -455,11 +459,12 @@ class CalibrationTracker:
             owner = self.slot_owner[slot]
             if self.slot_seq[slot] != seq or owner is None:
                 continue  # resolved (or reused) since
-            left = tuple(x for x in self.pending.get(owner, ()) if x != slot)
-            if left:
-                self.pending[owner] = left
-            else:
-                self.pending.pop(owner, None)
+            left = self.pending.get(owner)
+            if left is not None:
+                if slot in left:
+                    left.remove(slot)
+                if not left:
+                    del self.pending[owner]
             self._release(slot)
             self.dropped += 1
             return

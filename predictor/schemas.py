@@ -16,6 +16,7 @@ from pydantic import (
     ConfigDict,
     Field,
     TypeAdapter,
+    ValidationError,
     field_validator,
     model_validator,
 )
@@ -135,6 +136,41 @@ class ContributionsIn(TypedDict):
 
 
 CONTRIBUTIONS_IN = TypeAdapter(ContributionsIn)
+
+
+# The same body without the ``storable`` check on its strings. A NUL or a lone surrogate can
+# reach a string only through a ``\u`` escape (the JSON parser refuses raw control characters
+# and bytes that are not UTF-8), so a body with no ``\u`` in it needs no such check: the
+# check is a Python call per string, about 0.8 ms of a 1,024-item query.
+class _PlainContributionItem(TypedDict):
+    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
+    request_id: Annotated[str, Field(min_length=1, max_length=128)]
+    prompt_key: NotRequired[Annotated[str, Field(min_length=1, max_length=256)] | None]
+    prompt: NotRequired[str | None]
+    prompt_tokens: NotRequired[TokenCount]
+    generated_tokens: TokenCount
+
+
+class _PlainContributionsIn(TypedDict):
+    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
+    horizon: NotRequired[Annotated[int, Field(strict=True, ge=1, le=4096)] | None]
+    estimator: NotRequired[EstimatorName]
+    items: list[_PlainContributionItem]
+
+
+_PLAIN_CONTRIBUTIONS_IN = TypeAdapter(_PlainContributionsIn)
+
+
+def parse_contributions(raw: bytes) -> ContributionsIn:
+    """``CONTRIBUTIONS_IN.validate_json(raw)``, faster for a body without ``\\u`` escapes
+    (the usual one): the same value, and the same ``ValidationError`` for a bad body (its
+    errors come from ``CONTRIBUTIONS_IN`` itself)."""
+    if b"\\u" not in raw:
+        try:
+            return _PLAIN_CONTRIBUTIONS_IN.validate_json(raw)
+        except ValidationError:
+            pass  # the errors are reported as the full schema words them
+    return CONTRIBUTIONS_IN.validate_json(raw)
 
 
 def item_key(item: ContributionItem) -> str | None:

@@ -21,7 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from . import snapshots, store
-from .calibration import CalibrationTracker, DriftMonitor, Scored, sampled
+from .calibration import CalibrationTracker, DriftMonitor, Scored, sampled_rows
 from .estimators import Estimate, Estimator, Features, Outcomes, estimator_specs
 from .estimators.base import observe_running
 from .settings import Settings
@@ -433,9 +433,8 @@ class PredictorService:
         (shadow scoring), for scoring when their outcomes arrive; ``caller`` (the client's
         address) gets a fair share of the pending slots. Runs after the answer has been
         sent."""
-        rate = self.settings.calibration_sample_rate
-        picks = [i for i, rid in enumerate(request_ids)
-                 if sampled(rid, int(features.generated[i]), rate)]
+        picks = sampled_rows(request_ids, features.generated.tolist(),
+                             self.settings.calibration_sample_rate)
         if not picks:
             return
         with self.lock:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 import numpy as np
 import orjson
 from fastapi import APIRouter, HTTPException, Request
@@ -13,11 +15,12 @@ from starlette.background import BackgroundTask
 
 from ..estimators import UNKNOWN_TOKENS, Features
 from ..metrics import Metrics
-from ..schemas import CONTRIBUTIONS_IN, ContributionsIn, ContributionsOut, item_key
+from ..schemas import ContributionsIn, ContributionsOut, item_key, parse_contributions
 from ..service import PredictorService
 from .deps import MetricsDep, ServiceDep
 
 router = APIRouter(prefix="/v1/contributions", tags=["prediction"])
+_GENERATED = itemgetter("generated_tokens")
 
 
 @router.post("", response_model=ContributionsOut,
@@ -32,7 +35,7 @@ async def post_contributions(request: Request, service: ServiceDep,
     steps for hundreds of requests); errors are the usual 422 with locations.
     """
     try:
-        body = CONTRIBUTIONS_IN.validate_json(await request.body())
+        body = parse_contributions(await request.body())
     except ValidationError as exc:
         raise RequestValidationError(
             [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
@@ -55,10 +58,12 @@ def answer(body: ContributionsIn, service: PredictorService, metrics: Metrics,
             "msg": f"estimator {name!r} is registered but not run by this service "
                    f"(BALANCEROUTE_ESTIMATORS); it runs {', '.join(service.estimators)}"}])
     n = len(items)
+    keys = [i.get("prompt_key") for i in items]
+    if None in keys:  # a prompt's text instead of its key: hashed
+        keys = [item_key(i) for i in items]
     features = Features(
-        np.fromiter((i["generated_tokens"] for i in items), np.int64, n),
-        [item_key(i) for i in items],
-        np.fromiter((i.get("prompt_tokens", UNKNOWN_TOKENS) for i in items), np.int64, n),
+        np.fromiter(map(_GENERATED, items), np.int64, n), keys,
+        np.fromiter([i.get("prompt_tokens", UNKNOWN_TOKENS) for i in items], np.int64, n),
     )
     result = service.contributions(features, horizon, name)
     estimate = result.estimate
@@ -66,18 +71,17 @@ def answer(body: ContributionsIn, service: PredictorService, metrics: Metrics,
         metrics.items.labels(name).inc(estimate.source.count(name))
     metrics.hit_rate.set(service.hit_rate)
     mu = [None if m != m else m for m in estimate.mu_rem.tolist()]  # NaN -> null
+    ids = [i["request_id"] for i in items]
     payload = {
         "horizon": horizon, "model_version": result.model_version, "drifted": result.drifted,
         "recommendation": service.recommendation,
         "items": [
-            {"request_id": item["request_id"], "c_hat": c, "p_fin": p, "mu_rem": m,
-             "estimator": e, "support": s}
-            for item, c, p, m, e, s in zip(items, estimate.c_hat.tolist(),
-                                           estimate.p_fin.tolist(), mu, estimate.source,
-                                           estimate.support.tolist(), strict=True)
+            {"request_id": r, "c_hat": c, "p_fin": p, "mu_rem": m, "estimator": e, "support": s}
+            for r, c, p, m, e, s in zip(ids, estimate.c_hat.tolist(), estimate.p_fin.tolist(),
+                                        mu, estimate.source, estimate.support.tolist(),
+                                        strict=True)
         ],
     }
     # Calibration sampling runs after the answer is sent: off the router's latency path.
-    record = BackgroundTask(service.record, [i["request_id"] for i in items], features,
-                            horizon, caller)
+    record = BackgroundTask(service.record, ids, features, horizon, caller)
     return Response(orjson.dumps(payload), media_type="application/json", background=record)

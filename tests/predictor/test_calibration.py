@@ -12,6 +12,7 @@ from predictor.calibration import (
     Shadow,
     reliability,
     sampled,
+    sampled_rows,
     score_outcome,
     summarize,
 )
@@ -191,6 +192,14 @@ def test_sampling_is_deterministic_and_near_the_rate():
     picks = [sampled(f"r{i}", i % 50, 0.1) for i in range(20000)]
     assert picks == [sampled(f"r{i}", i % 50, 0.1) for i in range(20000)]
     assert 0.08 < np.mean(picks) < 0.12
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.1, 0.5, 0.999, 1.0])
+def test_sampled_rows_are_the_sampled_items(rate):
+    ids = [f"r{i}" for i in range(3000)] + ["é\u2603", "x" * 128]
+    generated = [i % 400 for i in range(len(ids))]
+    assert sampled_rows(ids, generated, rate) == [
+        i for i in range(len(ids)) if sampled(ids[i], generated[i], rate)]
 
 
 def settings_for(tmp_path, **overrides):

@@ -53,3 +53,54 @@ def test_huge_numbers_in_an_ab_trace(client):
 def test_calibration_bin_edges_are_rounded(client):
     bins = client.get("/v1/calibration").json()["estimators"][0]["bins"]
     assert [b["lo"] for b in bins][:4] == [0.0, 0.1, 0.2, 0.3]
+
+
+BODIES = [
+    {"items": [{"request_id": "r1", "generated_tokens": 3, "prompt_key": "k"}]},
+    {"horizon": 40, "items": [{"request_id": "é\u2603", "generated_tokens": 0, "prompt": "t"}]},
+    {"items": [{"request_id": "a\\u0000", "generated_tokens": 1}]},  # a backslash, not a NUL
+    {"items": [{"request_id": "x\x00", "generated_tokens": 1}]},
+    {"items": [{"request_id": "r", "prompt": "p\x00", "generated_tokens": 1}]},
+    {"items": [{"request_id": "", "generated_tokens": -1, "extra": 1}], "horizon": 0},
+    {"items": [{"request_id": "r", "generated_tokens": "1"}], "estimator": "nope"},
+    {"items": "none"},
+]
+
+
+@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("dump", [json.dumps, lambda b: json.dumps(b, ensure_ascii=False)])
+def test_contributions_fast_parse_is_the_schema(body, dump):
+    """The hot path skips the NUL/surrogate check for bodies without a ``\\u`` escape: same
+    value, same errors as the full schema on every body."""
+    from pydantic import ValidationError
+
+    from predictor.schemas import CONTRIBUTIONS_IN, parse_contributions
+
+    raw = dump(body).encode("utf-8", "surrogatepass")
+    try:
+        expected = CONTRIBUTIONS_IN.validate_json(raw)
+    except ValidationError as exc:
+        with pytest.raises(ValidationError) as got:
+            parse_contributions(raw)
+        assert got.value.json() == exc.json()
+    else:
+        assert parse_contributions(raw) == expected
+
+
+def test_contributions_fast_schema_matches_the_full_one():
+    """The schema without the NUL/surrogate check declares the same fields and limits."""
+    from predictor.schemas import _PLAIN_CONTRIBUTIONS_IN, CONTRIBUTIONS_IN
+
+    def shape(schema: dict) -> str:
+        text = json.dumps(schema, sort_keys=True)
+        return text.replace("_PlainContributionItem", "ContributionItem").replace(
+            "_PlainContributionsIn", "ContributionsIn")
+
+    full, plain = CONTRIBUTIONS_IN.json_schema(), _PLAIN_CONTRIBUTIONS_IN.json_schema()
+    for schema in (full, plain):  # descriptions only document
+        schema["properties"]["items"].pop("description", None)
+        for item in schema["$defs"].values():
+            item.pop("description", None)
+            for field in item["properties"].values():
+                field.pop("description", None)
+    assert shape(full) == shape(plain)

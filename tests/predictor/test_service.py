@@ -81,6 +81,20 @@ def test_exact_match_with_support_else_survival(tmp_path):
         assert c.get("/v1/status").json()["buckets"] == 1
 
 
+def test_prompt_text_and_keys_in_one_query(client):
+    """Items with a key, with a prompt's text (hashed to its key) and with neither."""
+    client.post("/v1/observations", json={"observations": [
+        obs("t1", 5, prompt="the text"), obs("k1", 9, key="tpl"), obs("o1", 50)]})
+    items = [{"request_id": "1", "prompt_key": "tpl", "generated_tokens": 0},
+             {"request_id": "2", "prompt": "the text", "generated_tokens": 0},
+             {"request_id": "3", "generated_tokens": 0},
+             {"request_id": "4", "prompt_key": key_of_text("the text"), "generated_tokens": 0}]
+    answer = client.post("/v1/contributions", json={"items": items}).json()["items"]
+    assert [i["estimator"] for i in answer] == ["exact_match", "exact_match", "survival",
+                                                "exact_match"]
+    assert answer[1]["c_hat"] == answer[3]["c_hat"] != answer[0]["c_hat"]
+
+
 def test_prompt_text_is_hashed_never_stored_or_logged(tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     secret = "my secret prompt text 4f1c"

@@ -104,3 +104,22 @@ def test_contributions_fast_schema_matches_the_full_one():
             for field in item["properties"].values():
                 field.pop("description", None)
     assert shape(full) == shape(plain)
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"items": [{"request_id": "a\x00b", "generated_tokens": 1}]}',  # a raw NUL byte
+    b'{"items": [{"request_id": "a\x1fb", "generated_tokens": 1}]}',  # a raw control byte
+    b'{"items": [{"request_id": "a\xed\xa0\x80b", "generated_tokens": 1}]}',  # lone surrogate
+    b'{"items": [{"request_id": "a\xffb", "generated_tokens": 1}]}',  # not UTF-8
+])
+def test_contributions_fast_parse_refuses_raw_bytes_the_check_would(raw):
+    """The fast path's premise: without a ``\\u`` escape, the JSON parser itself refuses a NUL,
+    a control character, a lone surrogate or bytes that are not UTF-8."""
+    from pydantic import ValidationError
+
+    from predictor.schemas import parse_contributions
+
+    assert b"\\u" not in raw
+    with pytest.raises(ValidationError) as got:
+        parse_contributions(raw)
+    assert got.value.errors()[0]["type"] == "json_invalid"

@@ -267,7 +267,10 @@ def demo_stage(trace_path: str, predictor_url: str) -> str:
         rows.append(run_policy(trace, "brh", config, workdir,
                                ("--predictor-url", predictor_url)))
     reference = rows[0]["throughput_tok_s"] or 1.0
-    lines = [f"{'proxy':<6} {'done':>5} {'failed':>6} {'tok/s':>7} {'x br0':>7} {'max-min':>8} "
+    lines = ["(a smoke run of the whole loop, not a measurement: the fleet fills once and then "
+             "empties, so tok/s and 'x br0' swing by tens of percent between identical runs; "
+             "`balanceroute bench proxy-ab` measures, see the README)",
+             f"{'proxy':<6} {'done':>5} {'failed':>6} {'tok/s':>7} {'x br0':>7} {'max-min':>8} "
              f"{'round ms':>8} {'BR-0 rounds':>11} {'wall s':>6}"]
     for r in rows:
         lines.append(f"{r['policy']:<6} {r['completed']:5d} {r['failed']:6d} "

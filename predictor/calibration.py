@@ -496,6 +496,27 @@ class CalibrationTracker:
             self.slot_has[slot, code] = True
             self.slot_hit[slot, code] = shadow.hit
 
+    def unrecorded(self, request_ids: list[str], generated: list[int], horizon: int,
+                   rows: list[int]) -> list[int]:
+        """The ``rows`` whose request has no pending prediction at the same tokens generated
+        and horizon (and no repeat within ``rows``). A router asks about a request at every
+        refresh; while it waits in the pool or the service holds it unchanged, the question is
+        the same one, and scoring it once per ask would weigh each prediction by how often it
+        was asked (waiting requests most): each (request, tokens, horizon) is scored once, as
+        ``balanceroute calibrate`` does."""
+        kept, seen = [], set()
+        for row in rows:
+            rid, tokens = request_ids[row], generated[row]
+            if (rid, tokens) in seen:
+                continue
+            seen.add((rid, tokens))
+            slots = self.pending.get(rid)
+            if slots and any(int(self.slot_generated[s]) == tokens
+                             and int(self.slot_horizon[s]) == horizon for s in slots):
+                continue
+            kept.append(row)
+        return kept
+
     def record_batch(self, request_ids: list[str], generated: np.ndarray, horizon: int,
                      p_fin: dict[str, np.ndarray], c_hat: dict[str, np.ndarray],
                      hit: dict[str, np.ndarray], caller: str = "") -> None:

@@ -433,13 +433,16 @@ class PredictorService:
         (shadow scoring), for scoring when their outcomes arrive; ``caller`` (the client's
         address) gets a fair share of the pending slots. Runs after the answer has been
         sent."""
-        picks = sampled_rows(request_ids, features.generated.tolist(),
-                             self.settings.calibration_sample_rate)
+        generated = features.generated.tolist()
+        picks = sampled_rows(request_ids, generated, self.settings.calibration_sample_rate)
         if not picks:
             return
         with self.lock:
             if self.observations == 0:
                 return  # nothing learned yet: every estimator answers the prior
+            picks = self.tracker.unrecorded(request_ids, generated, horizon, picks)
+            if not picks:
+                return
             sub = features.take(picks)
             answers = {name: est.predict(sub, horizon) for name, est in self.estimators.items()}
             self.tracker.record_batch(

@@ -304,3 +304,34 @@ def test_window_detector_statistics():
     assert small.last_threshold > 0.15  # the KS critical value at n = 3000, m = 300 rules
     with pytest.raises(ValueError):
         WindowShiftDetector("median")
+
+
+def test_a_question_asked_again_is_scored_once(tmp_path):
+    """A router asks about every active and waiting request at each refresh; a request still
+    waiting (0 tokens) or unchanged is the same question again. Each (request, tokens,
+    horizon) is recorded once, as ``balanceroute calibrate`` scores it, so waiting requests
+    are not weighed by how long they waited."""
+    from predictor.estimators import Features
+    from predictor.service import PredictorService
+    from predictor.store import make_engine
+
+    url = f"sqlite:///{tmp_path / 'once.db'}"
+    service = PredictorService(Settings(database_url=url, calibration_sample_rate=1.0),
+                               make_engine(url))
+    service.load()
+    service.ingest([{"request_id": f"o{i}", "prompt_key": None, "prompt_tokens": 100,
+                     "output_tokens": 10 + i, "finish_reason": "stop"}
+                    for i in range(50)])
+    ids = ["a", "b", "c"]
+    for _ in range(4):  # four refreshes while a and b wait and c has generated 5 tokens
+        service.record(ids, Features.of([0, 0, 5]), 20)
+    assert service.tracker.pending_count == 3
+    service.record(ids, Features.of([0, 2, 5]), 20)  # b was admitted and generated 2
+    service.record(ids, Features.of([0, 2, 5]), 40)  # another horizon is another question
+    assert service.tracker.pending_count == 3 + 1 + 3
+    service.record(["d", "d"], Features.of([1, 1]), 20)  # twice in one query: once
+    assert service.tracker.pending_count == 8
+    scored = service.tracker.resolve("b", 30, False)
+    assert sorted((s.generated, s.horizon) for s in scored if s.estimator == "survival") == [
+        (0, 20), (2, 20), (2, 40)]
+    service.engine.dispose()

@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     exact_match_estimate_weight: bool = True
     hazard_refit_every: int = Field(1000, ge=1)
     history: int = Field(5000, ge=0)
+    survival_tail_at_risk: int = Field(
+        50, ge=0, description="the Kaplan-Meier curves' thin tail (fewer requests at risk than "
+        "this, at most a tenth of the sample) gets one pooled hazard; 0: plain Kaplan-Meier")
     exact_match_max_buckets: int = Field(100_000, ge=1)
     exact_match_bucket_window: int = Field(256, ge=1)
     exact_match_max_bytes: int = Field(

@@ -38,11 +38,12 @@ def _exact_match_params(s: Settings) -> dict[str, Any]:
                 max_buckets=s.exact_match_max_buckets, bucket_window=s.exact_match_bucket_window,
                 prior_weight=s.exact_match_prior_weight,
                 estimate_weight=s.exact_match_estimate_weight,
-                max_bytes=s.exact_match_max_bytes, cache_bytes=s.exact_match_cache_bytes)
+                max_bytes=s.exact_match_max_bytes, cache_bytes=s.exact_match_cache_bytes,
+                tail_at_risk=s.survival_tail_at_risk)
 
 
 register_estimator(EstimatorSpec(
-    "survival", lambda s: SurvivalEstimator(window=s.history),
+    "survival", lambda s: SurvivalEstimator(window=s.history, tail_at_risk=s.survival_tail_at_risk),
     description="one Kaplan-Meier curve over all requests"))
 register_estimator(EstimatorSpec(
     "exact_match", lambda s: ExactMatchEstimator(**_exact_match_params(s)),

@@ -49,7 +49,7 @@ import numpy as np
 
 from .base import BaseEstimator, Estimate, Features, Outcomes
 from .km import curve_terms, residual_from_terms
-from .survival import SurvivalEstimator
+from .survival import TAIL_AT_RISK, SurvivalEstimator
 
 K_MIN, K_MAX = 0.01, 1000.0
 MIN_KEYS = 10
@@ -186,6 +186,7 @@ class ExactMatchEstimator(BaseEstimator):
         prior_weight: ``k`` before it can be estimated (or always, see ``estimate_weight``).
         estimate_weight: estimate ``k`` by empirical Bayes from the buckets.
         refresh_every: observations between two estimates of ``k``.
+        tail_at_risk: the global curve's pooled tail (see :class:`SurvivalEstimator`).
     """
 
     name = "exact_match"
@@ -193,7 +194,8 @@ class ExactMatchEstimator(BaseEstimator):
     def __init__(self, window: int = 5000, min_support: int = 1, max_buckets: int = 100_000,
                  bucket_window: int = 256, prior_weight: float = 1.0,
                  estimate_weight: bool = True, refresh_every: int = REFRESH_EVERY,
-                 max_bytes: int = 64 << 20, cache_bytes: int = 16 << 20) -> None:
+                 max_bytes: int = 64 << 20, cache_bytes: int = 16 << 20,
+                 tail_at_risk: int = TAIL_AT_RISK) -> None:
         if min_support < 1:
             raise ValueError("min_support must be >= 1")
         if max_buckets < 1:
@@ -213,10 +215,11 @@ class ExactMatchEstimator(BaseEstimator):
         self.refresh_every = refresh_every
         self.max_bytes = max_bytes
         self.cache_bytes = cache_bytes
+        self.tail_at_risk = tail_at_risk
         self.reset()
 
     def reset(self) -> Self:
-        self.fallback_ = SurvivalEstimator(self.window)
+        self.fallback_ = SurvivalEstimator(self.window, self.tail_at_risk)
         self.buckets_: OrderedDict[str, Bucket] = OrderedDict()
         self.bytes_ = 0  # the buckets' memory (Bucket.nbytes plus their keys)
         self._steps: OrderedDict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()

@@ -67,7 +67,7 @@ from threadpoolctl import threadpool_limits
 from .base import BaseEstimator, Estimate, Features, Outcomes
 from .exact_match import ExactMatchEstimator
 from .km import residual_from_terms
-from .survival import SurvivalEstimator
+from .survival import TAIL_AT_RISK, SurvivalEstimator
 
 MAX_TOKENS = 1 << 20
 KEY_PRIOR = 1.0  # m0: pseudo-observations of the global mean in a key's shrunk mean
@@ -241,7 +241,8 @@ class HazardEstimator(BaseEstimator):
                                                  **(self.key_params or {})})
             self.fallback_ = self.keyed_.fallback_  # one global curve for both
         else:
-            self.fallback_ = SurvivalEstimator(self.window)
+            self.fallback_ = SurvivalEstimator(
+                self.window, (self.key_params or {}).get("tail_at_risk", TAIL_AT_RISK))
         self.keys_ = KeyStats(self.max_keys)
         # (log1p prompt or -1, log1p key count, key shrunk mean, output, ended) per observation
         self.buffer_: deque[tuple[float, float, float, float, int, bool]] = deque(

@@ -35,10 +35,13 @@ SHRINK_FROM = 4096  # arrays shorter than this are never shrunk
 class KaplanMeier:
     """Online, windowed Kaplan-Meier estimator of ``S(t) = P(o > t)`` on integer lengths."""
 
-    def __init__(self, window: int = 0) -> None:
+    def __init__(self, window: int = 0, tail_at_risk: int = 0) -> None:
         if window < 0:
             raise ValueError("window must be >= 0 (0 keeps every observation)")
+        if tail_at_risk < 0:
+            raise ValueError("tail_at_risk must be >= 0 (0: plain Kaplan-Meier)")
         self.window = window
+        self.tail_at_risk = tail_at_risk
         self.reset()
 
     def reset(self) -> KaplanMeier:
@@ -126,6 +129,7 @@ class KaplanMeier:
             events = self.events_[: last + 1].astype(np.float64)
             at_risk = np.cumsum(counts[: last + 1][::-1])[::-1].astype(np.float64)
             hazard = np.divide(events, at_risk, out=np.zeros_like(events), where=at_risk > 0)
+            pool_tail(hazard, events, at_risk, self.tail_at_risk)
             self._survival = np.cumprod(1.0 - hazard)
             self._table = None
         return self._survival
@@ -140,6 +144,34 @@ class KaplanMeier:
     def survival_at(self, t: np.ndarray | int) -> np.ndarray:
         curve = self.survival_
         return curve[np.minimum(np.asarray(t, dtype=np.int64), curve.shape[0] - 1)]
+
+
+TAIL_SHARE = 10  # the pooled tail holds at most a tenth of the sample
+
+
+def pool_tail(hazard: np.ndarray, events: np.ndarray, at_risk: np.ndarray,
+              tail_at_risk: int) -> None:
+    """Replace, in place, the hazard of the curve's thin tail by its pooled estimate.
+
+    Where fewer than ``tail_at_risk`` requests are at risk (and at most a tenth of the
+    sample: a small sample keeps its plain curve), each step's hazard ``events / at_risk``
+    rests on a handful of requests: the curve falls to 0 at the last event, and a request that
+    old is predicted to end within H almost surely, while a long-lived one is as likely to run
+    on. The tail instead gets one constant hazard, its events over its exposure (the
+    requests at risk summed over its steps, the maximum-likelihood estimate of a constant
+    discrete hazard): a geometric tail, the piecewise-exponential model past the last well-
+    supported age. ``tail_at_risk = 0`` leaves the plain Kaplan-Meier curve.
+    """
+    if tail_at_risk <= 0 or at_risk.size == 0:
+        return
+    threshold = min(float(tail_at_risk), at_risk[0] / TAIL_SHARE)
+    thin = np.flatnonzero(at_risk < threshold)  # at_risk never rises: a suffix
+    if thin.size == 0:
+        return
+    start = int(thin[0])
+    exposure = float(at_risk[start:].sum())
+    if exposure > 0:
+        hazard[start:] = float(events[start:].sum()) / exposure
 
 
 @dataclass(frozen=True)

@@ -9,22 +9,28 @@ import numpy as np
 from .base import BaseEstimator, Estimate, Features, Outcomes
 from .km import KaplanMeier, residual_life
 
+TAIL_AT_RISK = 50  # README: "The curve's thin tail"
+
 
 class SurvivalEstimator(BaseEstimator):
     """The empirical (censoring-aware) distribution of past output lengths.
 
     Args:
         window: the most recent observations the curve weighs (0: all of them).
+        tail_at_risk: past the age where fewer requests than this are at risk (at most a
+            tenth of the sample), the curve's hazard is pooled into one constant
+            (:func:`~predictor.estimators.km.pool_tail`); 0 keeps the plain Kaplan-Meier.
     """
 
     name = "survival"
 
-    def __init__(self, window: int = 5000) -> None:
+    def __init__(self, window: int = 5000, tail_at_risk: int = TAIL_AT_RISK) -> None:
         self.window = window
+        self.tail_at_risk = tail_at_risk
         self.reset()
 
     def reset(self) -> Self:
-        self.curve_ = KaplanMeier(self.window)
+        self.curve_ = KaplanMeier(self.window, self.tail_at_risk)
         return self
 
     @property

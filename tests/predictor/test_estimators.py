@@ -196,3 +196,45 @@ def test_running_requests_count_as_censored_at_their_age():
     assert after > before  # the curve no longer forgets the long ones still running
     est.observe_running(Features.of([]))
     assert est.predict(Features.of([0]), 80).c_hat[0] == pytest.approx(before)
+
+
+def test_thin_tail_gets_one_pooled_hazard_worked_by_hand():
+    """1,000 requests of lengths 1..1000, no censoring. At age t, 1001 - t are at risk, fewer
+    than 50 from t = 952 on (50 < a tenth of 1000). The plain curve is S(t) = (1000 - t)/1000;
+    the tail's 49 events over an exposure of 49 + 48 + ... + 1 = 1225 request-steps give one
+    hazard 49/1225 = 0.04, so S(951 + k) = 0.049 * 0.96^k, instead of falling to 0 at 1000."""
+    durations = np.arange(1, 1001)
+    events = np.ones(1000, dtype=bool)
+    plain = KaplanMeier().fit(durations, events)
+    pooled = KaplanMeier(tail_at_risk=50).fit(durations, events)
+    body = np.arange(0, 952)
+    np.testing.assert_allclose(pooled.survival_at(body), (1000 - body) / 1000, atol=1e-12)
+    np.testing.assert_allclose(plain.survival_at(body), pooled.survival_at(body), atol=1e-12)
+    k = np.arange(0, 50)
+    np.testing.assert_allclose(pooled.survival_at(951 + k), 0.049 * 0.96 ** k, rtol=1e-9)
+    assert plain.survival_at(1000) == 0.0 and pooled.survival_at(1000) > 0.005
+    # A request at age 990: the plain curve says it ends within 80 for sure (p_fin 1); the
+    # pooled one says 1 - 0.96^10, the tail's own rate, for the 10 steps the curve covers.
+    life = residual_life(pooled.survival_, np.array([990]), 80)
+    assert life.p_fin[0] == pytest.approx(1 - 0.96 ** 10, rel=1e-9)
+    assert residual_life(plain.survival_, np.array([990]), 80).p_fin[0] == pytest.approx(1.0)
+
+
+def test_pooled_tail_leaves_small_samples_and_rich_tails_alone():
+    rng = np.random.default_rng(5)
+    small = rng.integers(1, 300, 40)  # a tenth of 40 is 4: only the last few ages pool
+    few = KaplanMeier(tail_at_risk=50).fit(small, np.ones(40, bool))
+    plain = KaplanMeier().fit(small, np.ones(40, bool))
+    ages = np.arange(0, int(np.sort(small)[-4]))
+    np.testing.assert_array_equal(few.survival_at(ages), plain.survival_at(ages))
+    # Every age with 50 or more at risk keeps its plain estimate, censoring included.
+    durations = rng.integers(1, 2000, 5000)
+    events = rng.random(5000) > 0.3
+    plain = KaplanMeier().fit(durations, events)
+    pooled = KaplanMeier(tail_at_risk=50).fit(durations, events)
+    at_risk = np.array([(durations >= t).sum() for t in range(2001)])
+    rich = np.flatnonzero(at_risk >= 50)
+    np.testing.assert_allclose(pooled.survival_at(rich), plain.survival_at(rich), atol=1e-12)
+    assert SurvivalEstimator().tail_at_risk == 50  # the default; 0 is plain Kaplan-Meier
+    with pytest.raises(ValueError, match="tail_at_risk"):
+        KaplanMeier(tail_at_risk=-1)

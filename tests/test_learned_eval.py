@@ -1,0 +1,35 @@
+"""tools/learned_eval.py: replicated learned-BR-H rows, resumable, and their table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = [sys.executable, str(ROOT / "tools" / "learned_eval.py")]
+
+
+def test_learned_eval_runs_resumes_and_tabulates(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    args = ["--json", str(out), "--cells", "tpl:backlog", "--seeds", "2", "--requests", "300"]
+    subprocess.run([*TOOL, "run", *args], check=True, capture_output=True, cwd=ROOT)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["cell"], r["seed"], r["requests"]) for r in lines] == [
+        ("tpl:backlog", 1, 300), ("tpl:backlog", 2, 300)]
+    assert {r["policy"] for r in lines[0]["rows"]} == {
+        "br0", "brh-survival", "brh-exactmatch", "brh-hazard", "brh-oracle"}
+    subprocess.run([*TOOL, "run", *args], check=True, capture_output=True, cwd=ROOT)
+    assert len(out.read_text().splitlines()) == 2  # resumed: nothing run twice
+    table = subprocess.run([*TOOL, "table", "--json", str(out)], check=True,
+                           capture_output=True, text=True, cwd=ROOT).stdout
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| tpl")]
+    assert len(rows) == 4
+    by = {r["policy"]: r for r in lines[0]["rows"]}
+    by2 = {r["policy"]: r for r in lines[1]["rows"]}
+    expected = [by[p]["throughput_tok_s"] / by["br0"]["throughput_tok_s"] for p in ("brh-hazard",)]
+    expected += [by2["brh-hazard"]["throughput_tok_s"] / by2["br0"]["throughput_tok_s"]]
+    hazard = next(r for r in rows if r[2] == "brh-hazard")
+    assert hazard[1] == "2"
+    assert hazard[4].startswith(f"{sum(expected) / 2:.4f} ({min(expected):.4f}..")

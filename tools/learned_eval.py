@@ -1,0 +1,129 @@
+"""Replicated evaluation of learned BR-H against BR-0 and the oracle (issue 10's rows).
+
+    python tools/learned_eval.py run --json out.jsonl [--cells mooncake:backlog,tpl:1.0]
+    python tools/learned_eval.py table --json out.jsonl
+
+One ``balanceroute ab`` run per (trace, load, replicate) at G = 8, B = 64, policies br0,
+brh-survival, brh-exactmatch, brh-hazard, brh-oracle (in-process learners, each learning only
+from requests finished earlier). A single replay's ratios move by about +-0.5% (Mooncake: more)
+from chaotic divergence alone, so the rows are replicated:
+  - Azure, Mooncake, ShareGPT (real traces): ``--sample N --seed k``, N requests drawn at random
+    (seeded by k) from the trace, in their order, with their own arrivals (ShareGPT has none:
+    Poisson arrivals seeded by k);
+  - synth:long and synth:templated: the first N requests of the synthesized trace with
+    ``seed=k``.
+``table`` reports per cell and policy the mean and range over replicates of the imbalance and
+throughput ratios to BR-0 in the same run, and the share of the BR-0-to-oracle imbalance gap
+closed. One JSON line per run is appended as it finishes; ``run`` skips runs already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from predictor.cli import main as balanceroute  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+POLICIES = "br0,brh-survival,brh-exactmatch,brh-hazard,brh-oracle"
+CELLS = [f"{t}:{load}" for t in ("mooncake", "tpl", "azure", "sharegpt", "long")
+         for load in ("backlog", "1.0")]
+
+
+def trace_args(trace: str, seed: int, requests: int) -> list[str]:
+    """The ``ab`` arguments that pick replicate ``seed`` of ``trace``."""
+    if trace in ("tpl", "long"):
+        name = "templated" if trace == "tpl" else "long"
+        return ["--trace", f"synth:{name}:seed={seed}", "--requests", str(requests)]
+    files = {"mooncake": "conversation_trace.jsonl", "azure": "AzureLLMInferenceTrace_conv.csv",
+             "sharegpt": "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"}
+    return ["--trace", str(SHARED / files[trace]), "--sample", str(requests)]
+
+
+def run(args: argparse.Namespace) -> None:
+    done = set()
+    if args.json.exists():
+        for line in args.json.read_text().splitlines():
+            row = json.loads(line)
+            done.add((row["cell"], row["seed"]))
+    for cell in args.cells:
+        trace, load = cell.split(":")
+        for seed in range(1, args.seeds + 1):
+            if (cell, seed) in done:
+                continue
+            started = time.monotonic()
+            with tempfile.TemporaryDirectory() as tmp, \
+                    contextlib.redirect_stdout(io.StringIO()):
+                out = Path(tmp) / "rows.json"
+                code = balanceroute(["ab", *trace_args(trace, seed, args.requests),
+                                     "--seed", str(seed), "--workers", "8", "--load", load,
+                                     "--policies", POLICIES, "--quiet", "--json", str(out)])
+                if code != 0:
+                    raise SystemExit(f"ab failed on {cell} seed {seed}")
+                rows = json.loads(out.read_text())
+            with args.json.open("a") as f:
+                f.write(json.dumps({"cell": cell, "seed": seed, "requests": args.requests,
+                                    "rows": rows}) + "\n")
+            print(f"{cell} seed {seed}: {time.monotonic() - started:.0f} s", file=sys.stderr)
+
+
+def ratios(rows: list[dict]) -> dict[str, tuple[float, float, float]]:
+    """Per policy: imbalance / BR-0's, throughput / BR-0's, share of the gap to the oracle."""
+    by = {r["policy"]: r for r in rows}
+    base, oracle = by["br0"], by["brh-oracle"]
+    gap = base["imbalance_maxmin_mean"] - oracle["imbalance_maxmin_mean"]
+    out = {}
+    for name, r in by.items():
+        if name == "br0":
+            continue
+        closed = ((base["imbalance_maxmin_mean"] - r["imbalance_maxmin_mean"]) / gap
+                  if gap > 0 else float("nan"))
+        out[name] = (r["imbalance_maxmin_mean"] / base["imbalance_maxmin_mean"],
+                     r["throughput_tok_s"] / base["throughput_tok_s"], closed)
+    return out
+
+
+def table(args: argparse.Namespace) -> None:
+    cells: dict[str, list[dict]] = defaultdict(list)
+    for line in args.json.read_text().splitlines():
+        row = json.loads(line)
+        cells[row["cell"]].append(ratios(row["rows"]))
+    print("| cell | n | policy | imbalance x BR-0 (min..max) | throughput x BR-0 (min..max) "
+          "| gap closed (min..max) |")
+    print("|---|---:|---|---|---|---|")
+    for cell, runs in cells.items():
+        for policy in runs[0]:
+            a = np.array([r[policy] for r in runs])
+            gaps = a[:, 2][~np.isnan(a[:, 2])]
+            closed = ("1" if policy == "brh-oracle" else "n/a (oracle not below BR-0)"
+                      if gaps.size == 0 else
+                      f"{gaps.mean():.2f} ({gaps.min():.2f}..{gaps.max():.2f})")
+            print(f"| {cell} | {len(runs)} | {policy} | {a[:, 0].mean():.3f} "
+                  f"({a[:, 0].min():.3f}..{a[:, 0].max():.3f}) | {a[:, 1].mean():.4f} "
+                  f"({a[:, 1].min():.4f}..{a[:, 1].max():.4f}) | {closed} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", choices=["run", "table"])
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--cells", type=lambda s: s.split(","), default=CELLS)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=10000)
+    args = ap.parse_args()
+    run(args) if args.mode == "run" else table(args)
+
+
+if __name__ == "__main__":
+    main()

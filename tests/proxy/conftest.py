@@ -32,11 +32,24 @@ def poll_until(predicate, what: str, timeout_s: float, interval_s: float):
         time.sleep(interval_s)
 
 
+def _port_window() -> tuple[int, int]:
+    """Ports to pick from: below the kernel's ephemeral range, which every outgoing
+    connection (hundreds in the scale test) draws from, so a port found free here is not
+    taken by a client socket before the process under test binds it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return (10000, low) if low > 12000 else (20000, 60000)
+
+
 def free_ports(count: int) -> int:
     """A base port with ``count`` consecutive free ports after it."""
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    lo, hi = _port_window()
     for _ in range(200):
-        base = rng.randrange(20000, 60000 - count)
+        base = rng.randrange(lo, hi - count)
         sockets = []
         try:
             for offset in range(count):
@@ -66,10 +79,14 @@ class Process:
                 stdout=subprocess.DEVNULL, stderr=log)
         state = wait_ready(self.popen, self.url + ready_path, timeout_s)
         if state == "exited":
-            raise RuntimeError(f"{self.args[0]} exited: {open(self.log).read()[-2000:]}")
+            raise RuntimeError(f"{self.args[0]} exited: {self.log_tail()}")
         if state == "timeout":
-            raise RuntimeError(f"{self.args[0]} did not start: {open(self.log).read()[-2000:]}")
+            raise RuntimeError(f"{self.args[0]} did not start: {self.log_tail()}")
         return self
+
+    def log_tail(self) -> str:
+        with open(self.log) as f:
+            return f.read()[-2000:]
 
     def kill(self) -> None:
         if self.popen is not None and self.popen.poll() is None:
@@ -94,22 +111,35 @@ class Launcher:
     def emulator(self, workers: int, batch: int = 8, time_scale: float = 1.0,
                  step_cost: str = "1e-6,0.002", port: int | None = None,
                  extra: tuple[str, ...] = ()) -> Process:
-        base = port if port is not None else free_ports(workers)
-        process = Process(["emulate", "--workers", str(workers), "--port", str(base),
-                           "--batch", str(batch), "--time-scale", str(time_scale),
-                           "--step-cost", step_cost, *extra],
-                          f"http://127.0.0.1:{base}", f"{self.tmp}/emulator-{base}.log")
-        self.started.append(process)
-        return process.start("/health")
+        def make(base: int) -> Process:
+            return Process(["emulate", "--workers", str(workers), "--port", str(base),
+                            "--batch", str(batch), "--time-scale", str(time_scale),
+                            "--step-cost", step_cost, *extra],
+                           f"http://127.0.0.1:{base}", f"{self.tmp}/emulator-{base}.log")
+        return self._start(make, workers, port, "/health")
 
     def proxy(self, decode: list[str], policy: str = "br0", batch: int = 8,
               extra: tuple[str, ...] = ()) -> Process:
-        port = free_ports(1)
-        process = Process(["proxy", "--decode", ",".join(decode), "--port", str(port),
-                           "--policy", policy, "--batch", str(batch), *extra],
-                          f"http://127.0.0.1:{port}", f"{self.tmp}/proxy-{port}.log")
-        self.started.append(process)
-        return process.start("/healthz")
+        def make(port: int) -> Process:
+            return Process(["proxy", "--decode", ",".join(decode), "--port", str(port),
+                            "--policy", policy, "--batch", str(batch), *extra],
+                           f"http://127.0.0.1:{port}", f"{self.tmp}/proxy-{port}.log")
+        return self._start(make, 1, None, "/healthz")
+
+    def _start(self, make, count: int, port: int | None, ready_path: str) -> Process:
+        """Start on free ports; if another process took one between the check and the bind
+        (seen once in CI), try other ports, at most three times. A given ``port`` is tried
+        once."""
+        for attempt in range(1 if port is not None else 3):
+            process = make(port if port is not None else free_ports(count))
+            self.started.append(process)
+            try:
+                return process.start(ready_path)
+            except RuntimeError:
+                if port is not None or attempt == 2 or \
+                        "Address already in use" not in process.log_tail():
+                    raise
+        raise AssertionError("unreachable")
 
     def stop_all(self) -> None:
         for process in self.started:

@@ -44,9 +44,14 @@ def storable(text: str) -> str:
     return text
 
 
-RequestId = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(storable)]
-PromptKey = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(storable)]
+# The bounds of the text fields, and the same with the ``storable`` check (the contributions
+# fast path, below, skips the check only where it cannot fail).
+RequestIdText = Annotated[str, Field(min_length=1, max_length=128)]
+PromptKeyText = Annotated[str, Field(min_length=1, max_length=256)]
+RequestId = Annotated[RequestIdText, AfterValidator(storable)]
+PromptKey = Annotated[PromptKeyText, AfterValidator(storable)]
 PromptText = Annotated[str, AfterValidator(storable)]
+Horizon = Annotated[int, Field(strict=True, ge=1, le=4096)]
 
 
 def _timestamp_text(value: object) -> object:
@@ -129,7 +134,7 @@ class ContributionItem(TypedDict):
 
 class ContributionsIn(TypedDict):
     __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
-    horizon: NotRequired[Annotated[int, Field(strict=True, ge=1, le=4096)] | None]
+    horizon: NotRequired[Horizon | None]
     estimator: NotRequired[EstimatorName]
     items: Annotated[list[ContributionItem], Field(
         description="at most BALANCEROUTE_MAX_ITEMS_PER_QUERY (default 65536)")]
@@ -144,8 +149,8 @@ CONTRIBUTIONS_IN = TypeAdapter(ContributionsIn)
 # check is a Python call per string, about 0.8 ms of a 1,024-item query.
 class _PlainContributionItem(TypedDict):
     __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
-    request_id: Annotated[str, Field(min_length=1, max_length=128)]
-    prompt_key: NotRequired[Annotated[str, Field(min_length=1, max_length=256)] | None]
+    request_id: RequestIdText
+    prompt_key: NotRequired[PromptKeyText | None]
     prompt: NotRequired[str | None]
     prompt_tokens: NotRequired[TokenCount]
     generated_tokens: TokenCount
@@ -153,7 +158,7 @@ class _PlainContributionItem(TypedDict):
 
 class _PlainContributionsIn(TypedDict):
     __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
-    horizon: NotRequired[Annotated[int, Field(strict=True, ge=1, le=4096)] | None]
+    horizon: NotRequired[Horizon | None]
     estimator: NotRequired[EstimatorName]
     items: list[_PlainContributionItem]
 
@@ -305,7 +310,7 @@ class AbComparisonIn(ReplayIn):
         default_factory=lambda: ["jsq", "ltl", "br0", "brh-survival", "brh-oracle"],
         min_length=1, max_length=16)
     workers: list[Workers] = Field(default_factory=lambda: [8], min_length=1, max_length=8)
-    horizon: Annotated[int, Field(strict=True, ge=1, le=4096)] = 80
+    horizon: Horizon = 80
     requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] | None = None
     stage1: Stage1Rule = "auto"
     source: Literal["observations"] | None = Field(
@@ -331,7 +336,7 @@ class AbComparisonIn(ReplayIn):
 
 class GridPoint(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    horizon: Annotated[int, Field(strict=True, ge=1, le=4096)]
+    horizon: Horizon
     beta: Annotated[float, Field(ge=0, le=1e6)] | None = Field(
         None, description="overflow weight; null: alpha * G (each step on BR-0's scale)")
     gamma: Annotated[float, Field(gt=0, le=1)] | Literal["turnover"] = Field(

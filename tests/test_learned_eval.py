@@ -33,3 +33,23 @@ def test_learned_eval_runs_resumes_and_tabulates(tmp_path):
     hazard = next(r for r in rows if r[2] == "brh-hazard")
     assert hazard[1] == "2"
     assert hazard[4].startswith(f"{sum(expected) / 2:.4f} ({min(expected):.4f}..")
+
+
+def test_learned_eval_several_fleet_sizes_and_a_variant(tmp_path):
+    """--workers 4,8: one run, a table row per (cell, G); --ab-args reaches `ab`."""
+    out = tmp_path / "rows.jsonl"
+    subprocess.run([*TOOL, "run", "--json", str(out), "--cells", "tpl:0.8", "--seeds", "1",
+                    "--requests", "300", "--workers", "4,8", "--policies", "br0,brh-oracle",
+                    "--ab-args", "--stage1 lpt --horizon 20"],
+                   check=True, capture_output=True, cwd=ROOT)
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert line["ab_args"] == ["--stage1", "lpt", "--horizon", "20"]
+    assert sorted((r["workers"], r["policy"]) for r in line["rows"]) == [
+        (4, "br0"), (4, "brh-oracle"), (8, "br0"), (8, "brh-oracle")]
+    table = subprocess.run([*TOOL, "table", "--json", str(out)], check=True,
+                           capture_output=True, text=True, cwd=ROOT).stdout
+    cells = [row.split(" | ")[0] for row in table.splitlines() if row.startswith("| tpl")]
+    assert cells == ["| tpl:0.8:G4", "| tpl:0.8:G8"]
+    g8 = {r["policy"]: r for r in line["rows"] if r["workers"] == 8}
+    ratio = g8["brh-oracle"]["throughput_tok_s"] / g8["br0"]["throughput_tok_s"]
+    assert f"| {ratio:.4f} (" in table.splitlines()[-1]

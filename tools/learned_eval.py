@@ -3,10 +3,12 @@
     python tools/learned_eval.py run --json out.jsonl [--cells mooncake:backlog,tpl:1.0]
     python tools/learned_eval.py table --json out.jsonl
 
-One ``balanceroute ab`` run per (trace, load, replicate) at G = 8, B = 64, policies br0,
-brh-survival, brh-exactmatch, brh-hazard, brh-oracle (in-process learners, each learning only
-from requests finished earlier). A single replay's ratios move by about +-0.5% (Mooncake: more)
-from chaotic divergence alone, so the rows are replicated:
+One ``balanceroute ab`` run per (trace, load, replicate) at G = 8 (``--workers 4,8,16``: each
+G in that run, a row per G), B = 64, policies br0, brh-survival, brh-exactmatch, brh-hazard,
+brh-oracle (in-process learners, each learning only from requests finished earlier);
+``--ab-args`` passes more ``ab`` arguments (a variant of the method). A single replay's
+ratios move by about +-0.5% (Mooncake: more) from chaotic divergence alone, so the rows are
+replicated:
   - Azure, Mooncake, ShareGPT (real traces): ``--sample N --seed k``, N requests drawn at random
     (seeded by k) from the trace, in their order, with their own arrivals (ShareGPT has none:
     Poisson arrivals seeded by k);
@@ -67,13 +69,15 @@ def run(args: argparse.Namespace) -> None:
                     contextlib.redirect_stdout(io.StringIO()):
                 out = Path(tmp) / "rows.json"
                 code = balanceroute(["ab", *trace_args(trace, seed, args.requests),
-                                     "--seed", str(seed), "--workers", "8", "--load", load,
-                                     "--policies", POLICIES, "--quiet", "--json", str(out)])
+                                     "--seed", str(seed), "--workers", args.workers,
+                                     "--load", load, "--policies", args.policies, "--quiet",
+                                     "--json", str(out), *args.ab_args])
                 if code != 0:
                     raise SystemExit(f"ab failed on {cell} seed {seed}")
                 rows = json.loads(out.read_text())
             with args.json.open("a") as f:
                 f.write(json.dumps({"cell": cell, "seed": seed, "requests": args.requests,
+                                    "workers": args.workers, "ab_args": args.ab_args,
                                     "rows": rows}) + "\n")
             print(f"{cell} seed {seed}: {time.monotonic() - started:.0f} s", file=sys.stderr)
 
@@ -98,7 +102,12 @@ def table(args: argparse.Namespace) -> None:
     cells: dict[str, list[dict]] = defaultdict(list)
     for line in args.json.read_text().splitlines():
         row = json.loads(line)
-        cells[row["cell"]].append(ratios(row["rows"]))
+        by_workers: dict[int, list[dict]] = defaultdict(list)
+        for r in row["rows"]:
+            by_workers[r["workers"]].append(r)
+        for workers, rows in sorted(by_workers.items()):
+            cell = row["cell"] if len(by_workers) == 1 else f"{row['cell']}:G{workers}"
+            cells[cell].append(ratios(rows))
     print("| cell | n | policy | imbalance x BR-0 (min..max) | throughput x BR-0 (min..max) "
           "| gap closed (min..max) |")
     print("|---|---:|---|---|---|---|")
@@ -121,6 +130,10 @@ def main() -> None:
     ap.add_argument("--cells", type=lambda s: s.split(","), default=CELLS)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=10000)
+    ap.add_argument("--workers", default="8", help="G, or a list like 4,8,16 (one run each)")
+    ap.add_argument("--policies", default=POLICIES, help="must include br0 and brh-oracle")
+    ap.add_argument("--ab-args", type=lambda s: s.split(), default=[],
+                    help="more `balanceroute ab` arguments, e.g. '--stage1 lpt'")
     args = ap.parse_args()
     run(args) if args.mode == "run" else table(args)
 

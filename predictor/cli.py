@@ -150,6 +150,10 @@ def _add_ab(sub) -> None:
                     help="BR-H with a learned predictor: spread the end time of a request "
                     "that ends within the window over this many points of a uniform law with "
                     f"mean mu_rem (0: all at mu_rem, the point law; default {END_POINTS})")
+    ab.add_argument("--expected-overflow", action=argparse.BooleanOptionalAction, default=True,
+                    help="BR-H with a learned predictor: the overflow penalty is its expectation "
+                    "under the predicted law of each worker's load (default); "
+                    "--no-expected-overflow: the overflow of the expected load")
     ab.add_argument("--rmax", type=int, default=None,
                     help="Stage-2 candidates per worker (default min(4G, 64), BR-0 and BR-H)")
     ab.add_argument("--s-greedy", type=int, default=7,
@@ -289,7 +293,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   turnover_scale=args.turnover_scale,
                                   s_greedy=args.s_greedy, stage1=args.stage1,
                                   candidate_life=args.candidate_life, refill=args.refill,
-                                  end_points=args.end_points),
+                                  end_points=args.end_points,
+                                  expected_overflow=args.expected_overflow),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

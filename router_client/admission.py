@@ -50,7 +50,7 @@ from . import fastpath
 from .errors import ContractError, ParameterError
 from .fleet import Assignment, FleetView, WaitingRequest
 from .fscore import MarginTable, candidate_rows, discounts
-from .projection import END_POINTS, mixture_loads, projected_loads
+from .projection import END_POINTS, mixture_loads, mixture_spread, projected_loads
 from .subset import SubsetChoice, best_subset
 
 Stage1Rule = Literal["auto", "paper", "best-pair", "lpt", "auto-pair"]
@@ -103,6 +103,12 @@ class BalanceRouteParams:
             that ends within the window is spread over this many points of a uniform law
             with mean ``mu_rem`` (:func:`router_client.projection.mixture_loads`); 0: all at
             ``mu_rem`` (the point law, the previous default).
+        expected_overflow: with a predictor's ``p_fin`` and ``mu_rem``, score the overflow
+            penalty as its expectation under their law (each active request running at step h
+            with its probability, independently; a worker's load about normal with the
+            variance that gives: :func:`router_client.projection.mixture_spread`,
+            :func:`router_client.fscore.expected_overflow`) instead of the overflow of the
+            expected load. Known loads (step 0, true lengths) are scored as before.
     """
 
     horizon: int = 80
@@ -118,6 +124,7 @@ class BalanceRouteParams:
     candidate_life: bool = True
     refill: bool = False
     end_points: int = END_POINTS
+    expected_overflow: bool = True
 
     def __post_init__(self) -> None:
         if self.horizon < 0:
@@ -218,17 +225,22 @@ def build_table(fleet: FleetView, params: BalanceRouteParams,
             raise ValueError("BR-H needs c_hat for every active request")
         loads = fleet.loads.astype(np.float64)[:, None]
         return MarginTable(loads, discounts(0, 1.0), params.alpha, beta)
+    spread = None
     if fleet.active_p_fin is not None and fleet.active_mu_rem is not None:
         loads = mixture_loads(fleet.workers, params.horizon, fleet.active_worker,
                               fleet.active_size, fleet.active_p_fin, fleet.active_mu_rem,
                               refill=refill, end_points=params.end_points)
+        if params.expected_overflow:
+            spread = mixture_spread(fleet.workers, params.horizon, fleet.active_worker,
+                                    fleet.active_size, fleet.active_p_fin,
+                                    fleet.active_mu_rem, end_points=params.end_points)
     else:
         loads = projected_loads(fleet.workers, params.horizon, fleet.active_worker,
                                 fleet.active_size, fleet.active_c_hat, refill=refill)
     gamma = params.gamma
     if gamma is None:
         gamma = turnover_gamma(fleet, params.horizon, params.turnover_scale)
-    return MarginTable(loads, discounts(params.horizon, gamma), params.alpha, beta)
+    return MarginTable(loads, discounts(params.horizon, gamma), params.alpha, beta, spread)
 
 
 TURNOVER = "turnover"  # a recommendation's or grid point's gamma for ``gamma=None``
@@ -330,6 +342,8 @@ class _Round:
             elif pool_c_hat is not None:
                 pool_c_hat = pool_c_hat[:head]
             self.rows = candidate_rows(self.sizes, pool_c_hat, params.horizon, refill)
+        elif self.table.spread is not None:  # the paper's constant D, scored as rows
+            self.rows = np.repeat(self.sizes[:, None], params.horizon + 1, axis=1)
         self.waiting = list(range(head))  # pool indices still waiting, in arrival order
         self.short_pool = len(pool) <= self.total_free
         self.rule, whole = params.stage1_rule(self.short_pool)

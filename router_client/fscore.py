@@ -26,6 +26,7 @@ in ``D`` (a linear term minus a sum of hinge functions), which subset selection 
 from __future__ import annotations
 
 import numpy as np
+from scipy.special import ndtr
 
 
 def br0_score(D: float | np.ndarray, margin: float, workers: int) -> float | np.ndarray:
@@ -73,6 +74,36 @@ def direct_score(
     return alpha * d.sum() * D - beta * (over * d).sum(axis=-1)
 
 
+def expected_overflow(x: np.ndarray, sigma: np.ndarray) -> np.ndarray:
+    """``E[max(0, x + e)]`` for ``e ~ Normal(0, sigma^2)``: ``x Phi(x/sigma) + sigma
+    phi(x/sigma)``, and ``max(0, x)`` where ``sigma`` is 0. Convex and increasing in ``x``,
+    above ``max(0, x)``, and nearly flat in ``x`` where ``sigma`` is large. ``sigma`` is a
+    scalar or runs along the last axis of ``x`` (one value per horizon step)."""
+    x = np.asarray(x, dtype=np.float64)
+    sigma = np.asarray(sigma, dtype=np.float64)
+    out = np.maximum(0.0, x)
+    if sigma.ndim == 0:
+        sigma = np.full(x.shape[-1:] if x.ndim else (1,), float(sigma))
+        if x.ndim == 0:
+            return expected_overflow(x[None], sigma)[0]
+    cols = np.flatnonzero(sigma > 0.0)
+    if cols.size == 0:
+        return out
+    if cols.size < sigma.size:
+        part, scale = x[..., cols], sigma[cols]
+    else:
+        part, scale = x, sigma
+    z = part / scale
+    smooth = part * ndtr(z) + scale * np.exp(-0.5 * z * z) * _INV_SQRT_2PI
+    if cols.size < sigma.size:
+        out[..., cols] = smooth
+        return out
+    return smooth
+
+
+_INV_SQRT_2PI = 1.0 / np.sqrt(2.0 * np.pi)
+
+
 class MarginTable:
     """Per-worker projected loads, the envelope and sorted margins for fast F evaluation.
 
@@ -81,10 +112,16 @@ class MarginTable:
     a worker's sorted margins are rebuilt lazily, only when it is next scored.
     """
 
-    def __init__(self, loads: np.ndarray, d: np.ndarray, alpha: float, beta: float) -> None:
+    def __init__(self, loads: np.ndarray, d: np.ndarray, alpha: float, beta: float,
+                 spread: np.ndarray | None = None) -> None:
         self.loads = np.array(loads, dtype=np.float64, copy=True)
         if self.loads.ndim != 2 or self.loads.shape[1] != d.shape[0]:
             raise ValueError("loads must have shape (G, H+1) matching the discounts")
+        if spread is not None and np.shape(spread) != self.loads.shape:
+            raise ValueError("spread must have the shape of loads")
+        # Standard deviation of each projected load (None: the loads are known): the
+        # penalty is then the expected overflow, see score_rows.
+        self.spread = None if spread is None or not np.any(spread) else np.asarray(spread)
         self.d = d
         self.alpha = alpha
         self.beta = beta
@@ -123,9 +160,12 @@ class MarginTable:
         return float(self.envelope[0] - self.loads[worker, 0])
 
     def score(self, worker: int, D: float | np.ndarray) -> np.ndarray:
-        """F for admitting ``D`` tokens (scalar or array) to ``worker``; O(log H) each."""
-        self._ensure(worker)
+        """F for admitting ``D`` tokens (scalar or array) to ``worker``; O(log H) each (with a
+        spread: ``D`` at every step through :meth:`score_rows`, O(H))."""
         D = np.asarray(D, dtype=np.float64)
+        if self.spread is not None:
+            return self.score_rows(worker, np.repeat(D[..., None], self.d.shape[0], axis=-1))
+        self._ensure(worker)
         k = np.searchsorted(self._sorted[worker], D, side="left")  # margins strictly below D
         cum_d = self._cum_d[worker]
         cum_dm = self._cum_dm[worker]
@@ -136,8 +176,10 @@ class MarginTable:
 
         On the segment after the k smallest margins the slope is
         ``alpha * sum(d) - beta * cum_d[k]``; F peaks at the first margin past which the slope
-        is no longer positive.
+        is no longer positive. Not defined with a spread (F is then smooth).
         """
+        if self.spread is not None:
+            raise ValueError("the peak is for known loads; with a spread, score rows")
         self._ensure(worker)
         slopes = self.fill - self.beta * self._cum_d[worker][1:]
         nonpositive = np.flatnonzero(slopes <= 0.0)
@@ -152,7 +194,10 @@ class MarginTable:
         """
         rows = np.asarray(rows, dtype=np.float64)
         margins = self.envelope - self.loads[worker]
-        over = np.maximum(0.0, rows - margins)
+        if self.spread is None:
+            over = np.maximum(0.0, rows - margins)
+        else:
+            over = expected_overflow(rows - margins, self.spread[worker])
         return self.alpha * (rows @ self.d) - self.beta * (over @ self.d)
 
     def admit_row(self, worker: int, row: np.ndarray) -> None:

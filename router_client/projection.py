@@ -116,3 +116,56 @@ def _refills(workers: int, horizon: int, where: np.ndarray, weight: np.ndarray,
     level = np.cumsum(level.reshape(workers, width), axis=1)[:, :-1]
     count = np.cumsum(count.reshape(workers, width), axis=1)[:, :-1]
     return level + count * np.arange(horizon + 1, dtype=np.float64)[None, :]
+
+
+def mixture_spread(
+    workers: int,
+    horizon: int,
+    active_worker: np.ndarray,
+    active_size: np.ndarray,
+    p_fin: np.ndarray,
+    mu_rem: np.ndarray,
+    end_points: int = END_POINTS,
+) -> np.ndarray:
+    """Standard deviation of each worker's load h steps ahead under the law of
+    :func:`mixture_loads`, shape ``(G, H+1)``.
+
+    Each request is taken to run at step h with probability ``q_h`` (the weight
+    :func:`mixture_loads` gives it there), independently of the others, reading ``w + h``
+    tokens if it does: its load has variance ``(w + h)^2 q_h (1 - q_h)``, and a worker's is the
+    sum over its requests. The h = 0 column is 0 (an active request runs its next step).
+    """
+    if active_worker.size == 0 or horizon == 0:
+        return np.zeros((workers, horizon + 1), dtype=np.float64)
+    p = np.clip(np.asarray(p_fin, dtype=np.float64), 0.0, 1.0)
+    mu = np.asarray(mu_rem, dtype=np.float64)
+    mu = np.minimum(np.where(np.isfinite(mu) & (p > 0), mu, float(horizon)), horizon - 1e-9)
+    steps = np.arange(horizon + 1, dtype=np.float64)
+    if end_points <= 0:
+        ends = [mu]
+    else:
+        low = np.where(mu <= horizon / 2, 0.0, 2.0 * mu - horizon)
+        high = np.where(mu <= horizon / 2, 2.0 * mu, float(horizon))
+        ends = [low + (high - low) * (j + 0.5) / end_points for j in range(end_points)]
+    # alive weight of a point at t (clipped to [1, H)): 1 before floor(t), t - floor(t) at
+    # floor(t), 0 after; summed over the points by difference arrays, one bincount each
+    width = horizon + 2
+    rows = np.arange(p.size, dtype=np.int64) * width
+    delta = np.zeros(p.size * width)
+    delta[rows] = float(len(ends))
+    for end in ends:
+        t = np.clip(np.minimum(end, horizon - 1e-9), 1.0, float(horizon))
+        whole = np.floor(t).astype(np.int64)
+        frac = t - whole
+        delta -= np.bincount(rows + whole, weights=1.0 - frac, minlength=delta.size)
+        delta -= np.bincount(rows + whole + 1, weights=frac, minlength=delta.size)
+    alive = np.cumsum(delta.reshape(p.size, width), axis=1)[:, :-1] / len(ends)
+    q = (1.0 - p)[:, None] + p[:, None] * alive
+    work = np.asarray(active_size, dtype=np.float64)[:, None] + steps[None, :]
+    variance = work * work * q * (1.0 - q)
+    owner = np.asarray(active_worker, dtype=np.int64)
+    order = np.argsort(owner, kind="stable")
+    present, starts = np.unique(owner[order], return_index=True)
+    out = np.zeros((workers, horizon + 1))
+    out[present] = np.add.reduceat(variance[order], starts, axis=0)  # per-worker sums
+    return np.sqrt(np.maximum(out, 0.0))

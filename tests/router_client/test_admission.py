@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -6,6 +8,7 @@ from hypothesis import strategies as st
 from router_client.admission import (
     STAGE1_RULES,
     BalanceRouteParams,
+    build_table,
     route_round,
     turnover_gamma,
 )
@@ -248,3 +251,29 @@ def test_round_robin_skips_full_workers_and_cycles():
 def test_unknown_policy():
     with pytest.raises(UnknownPolicyError, match="nope"):
         make_policy("nope")
+
+
+def test_expected_overflow_prefers_the_worker_whose_future_is_known():
+    """Loads 500, 420, 900 (the envelope), one request each. Worker 0's may end now (p_fin
+    0.3, mu_rem 1): its expected load from step 1 is 0.7 (500 + h), below worker 1's certain
+    420 + h, but with a standard deviation of (500 + h) sqrt(0.21), about 230 tokens. A request
+    of 600 overflows the envelope on either worker. Scored on the expected loads BR-H takes
+    worker 0; scored by the expected overflow (the default) it takes worker 1, whose future is
+    known. True lengths (c_hat only) have no spread: both settings decide alike."""
+    kw = dict(active_c_hat=np.array([5.0, 10.0, 10.0]))
+    law = dict(active_p_fin=np.array([0.3, 0.0, 0.0]),
+               active_mu_rem=np.array([1.0, np.nan, np.nan]))
+    loads = np.array([500.0, 420.0, 900.0])
+    learned = FleetView(4, loads, np.array([1, 1, 1]), np.array([0, 1, 2]), loads, **kw, **law)
+    pool = [WaitingRequest("a", 600)]
+    params = BalanceRouteParams(horizon=10, gamma=0.9, end_points=0)
+    got, _ = route_round(learned, pool, replace(params, expected_overflow=False))
+    assert [a.worker for a in got] == [0]
+    got, _ = route_round(learned, pool, params)
+    assert [a.worker for a in got] == [1]
+    assert build_table(learned, params).spread[0, 1] == pytest.approx(501 * np.sqrt(0.21))
+    oracle = FleetView(4, loads, np.array([1, 1, 1]), np.array([0, 1, 2]), loads, **kw)
+    assert build_table(oracle, params).spread is None
+    assert ([a.worker for a in route_round(oracle, pool, params)[0]]
+            == [a.worker for a in route_round(oracle, pool,
+                                              replace(params, expected_overflow=False))[0]])

@@ -2,8 +2,15 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from scipy.integrate import quad
 
-from router_client.fscore import MarginTable, br0_score, direct_score, discounts
+from router_client.fscore import (
+    MarginTable,
+    br0_score,
+    direct_score,
+    discounts,
+    expected_overflow,
+)
 
 
 @pytest.mark.parametrize(
@@ -64,3 +71,38 @@ def test_peak_is_the_maximum_of_F(seed, horizon, beta):
             assert np.all(np.diff(values) >= -1e-9)
         else:
             assert table.score(worker, peak) >= values.max() - 1e-6
+
+
+@pytest.mark.parametrize(("x", "sigma"), [(-300.0, 100.0), (-50.0, 100.0), (0.0, 100.0),
+                                          (80.0, 40.0), (500.0, 100.0), (7.0, 0.0),
+                                          (-7.0, 0.0)])
+def test_expected_overflow_against_numerical_integration(x, sigma):
+    if sigma == 0:
+        assert expected_overflow(np.array(x), np.array(0.0)) == max(0.0, x)
+        return
+    want, _ = quad(lambda e: max(0.0, x + e) * np.exp(-0.5 * (e / sigma) ** 2)
+                   / (sigma * np.sqrt(2 * np.pi)), -12 * sigma, 12 * sigma, points=[-x],
+                   limit=200)
+    assert float(expected_overflow(np.array(x), np.array(sigma))) == pytest.approx(want, rel=1e-7)
+
+
+def test_a_spread_raises_the_penalty_only_where_loads_are_uncertain():
+    # Two workers, H = 3; worker 0's future loads are uncertain (sigma 200 at h >= 1).
+    loads = np.array([[1000.0, 900.0, 800.0, 700.0], [1500.0, 1500.0, 1500.0, 1500.0]])
+    d = discounts(3, 0.8)
+    spread = np.array([[0.0, 200.0, 200.0, 200.0], [0.0, 0.0, 0.0, 0.0]])
+    known = MarginTable(loads, d, 1.0, 2.0)
+    unsure = MarginTable(loads, d, 1.0, 2.0, spread)
+    rows = np.array([[400.0, 500.0, 600.0, 700.0], [100.0, 100.0, 100.0, 100.0]])
+    for worker in (0, 1):
+        margins = known.margins(worker)
+        over = expected_overflow(rows - margins, spread[worker])
+        want = rows @ d - 2.0 * (over @ d)
+        np.testing.assert_allclose(unsure.score_rows(worker, rows), want)
+    np.testing.assert_allclose(unsure.score_rows(1, rows), known.score_rows(1, rows))
+    assert (unsure.score_rows(0, rows) < known.score_rows(0, rows)).all()  # Jensen
+    # a constant D is a constant row; the peak is not defined with a spread
+    np.testing.assert_allclose(unsure.score(0, np.array([400.0])),
+                               unsure.score_rows(0, np.full((1, 4), 400.0)))
+    with pytest.raises(ValueError):
+        unsure.peak(0)

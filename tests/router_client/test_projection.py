@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router_client.fscore import candidate_rows
-from router_client.projection import mixture_loads, projected_loads
+from router_client.projection import mixture_loads, mixture_spread, projected_loads
 
 
 def direct_projection(workers, horizon, worker, size, c_hat):
@@ -105,3 +105,35 @@ def test_refill_of_a_candidate_row_matches_the_projection() -> None:
         projected = projected_loads(1, 4, np.array([0]), np.array([3]), np.array([c]),
                                     refill=5.0)[0]
         np.testing.assert_allclose(row, projected)
+
+
+def test_spread_hand_worked_and_known_loads_have_none():
+    # The request of test_spread_end_time_hand_worked: alive weight q_h, variance
+    # (100 + h)^2 q (1 - q); h = 0 is known (q = 1), a capped request (p_fin 0) too.
+    alive = np.array([1.0, 0.90625, 0.875, 0.84375, 0.75, 0.75, 0.65625, 0.625, 0.59375, 0.5,
+                      0.5])
+    h = np.arange(11)
+    got = mixture_spread(2, 10, np.array([1, 0]), np.array([100.0, 50.0]),
+                         np.array([0.5, 0.0]), np.array([5.0, np.nan]), end_points=4)
+    np.testing.assert_allclose(got[1], (100 + h) * np.sqrt(alive * (1 - alive)))
+    np.testing.assert_allclose(got[0], 0.0)
+
+
+@given(seed=st.integers(0, 2**32 - 1), end_points=st.sampled_from([0, 1, 4]))
+def test_spread_is_the_standard_deviation_of_the_mixture_law(seed, end_points):
+    """Against an independent count: every request's alive weight read off mixture_loads
+    (one request at a time), variances summed per worker."""
+    rng = np.random.default_rng(seed)
+    workers, horizon, n = 3, 12, 9
+    worker = rng.integers(0, workers, n)
+    size = rng.integers(1, 300, n).astype(float)
+    p_fin = rng.uniform(0, 1, n)
+    mu = rng.uniform(0.5, horizon + 3, n)
+    variance = np.zeros((workers, horizon + 1))
+    for i in range(n):
+        one = mixture_loads(1, horizon, np.array([0]), size[i:i + 1], p_fin[i:i + 1],
+                            mu[i:i + 1], end_points=end_points)[0]
+        q = one / (size[i] + np.arange(horizon + 1))
+        variance[worker[i]] += one * (size[i] + np.arange(horizon + 1)) * (1 - q)
+    got = mixture_spread(workers, horizon, worker, size, p_fin, mu, end_points=end_points)
+    np.testing.assert_allclose(got ** 2, variance, rtol=1e-9, atol=1e-6)

@@ -154,6 +154,11 @@ def _add_ab(sub) -> None:
                     help="BR-H with a learned predictor: the overflow penalty is its expectation "
                     "under the predicted law of each worker's load (default); "
                     "--no-expected-overflow: the overflow of the expected load")
+    ab.add_argument("--learned-short-pool", action=argparse.BooleanOptionalAction,
+                    default=False,
+                    help="BR-H with a learned predictor places a short pool (every waiting "
+                    "request admitted this round) by its lookahead; default: as BR-0 places it "
+                    "(with true lengths the lookahead places it either way)")
     ab.add_argument("--rmax", type=int, default=None,
                     help="Stage-2 candidates per worker (default min(4G, 64), BR-0 and BR-H)")
     ab.add_argument("--s-greedy", type=int, default=7,
@@ -294,7 +299,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   s_greedy=args.s_greedy, stage1=args.stage1,
                                   candidate_life=args.candidate_life, refill=args.refill,
                                   end_points=args.end_points,
-                                  expected_overflow=args.expected_overflow),
+                                  expected_overflow=args.expected_overflow,
+                                  learned_short_pool=args.learned_short_pool),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

@@ -18,8 +18,9 @@ Stage 1, while the free slots ``S_tot`` exceed ``s_greedy``, admits one request 
     BR-0 that is the least-loaded one.
   - ``stage1="auto-pair"``: ``best-pair`` while the pool is short, the paper's rule otherwise.
   - ``stage1="auto"`` (default): :data:`AUTO_SHORT_POOL` while the pool is short (BR-H keeps
-    ``best-pair`` there: lpt with its F measured no better, see the README), the paper's rule
-    otherwise.
+    ``best-pair`` there with true lengths: lpt with its F measured no better, see the README;
+    with a learned predictor's law it places a short pool as BR-0 does unless
+    ``learned_short_pool``), the paper's rule otherwise.
 Stage 2, when ``S_tot <= s_greedy``: workers with free slots are taken in order of free slots,
 then margin (most first); each takes the subset of the first ``r_max`` waiting requests, of
 size at most its free slots, that maximizes F (:mod:`router_client.subset`).
@@ -109,6 +110,12 @@ class BalanceRouteParams:
             variance that gives: :func:`router_client.projection.mixture_spread`,
             :func:`router_client.fscore.expected_overflow`) instead of the overflow of the
             expected load. Known loads (step 0, true lengths) are scored as before.
+        learned_short_pool: under ``stage1="auto"``, place a short pool by BR-H's lookahead
+            (best pair) also with a learned predictor's law; False (default): with a learned
+            law (loads with a spread), a short pool is placed as BR-0 places it (lpt onto the
+            least-loaded open worker), with true lengths by lookahead. Every request of a
+            short pool is admitted this round; only where is decided, and learned lookahead
+            placed worse than BR-0 below saturation (see the README).
     """
 
     horizon: int = 80
@@ -125,6 +132,7 @@ class BalanceRouteParams:
     refill: bool = False
     end_points: int = END_POINTS
     expected_overflow: bool = True
+    learned_short_pool: bool = False
 
     def __post_init__(self) -> None:
         if self.horizon < 0:
@@ -347,6 +355,11 @@ class _Round:
         self.waiting = list(range(head))  # pool indices still waiting, in arrival order
         self.short_pool = len(pool) <= self.total_free
         self.rule, whole = params.stage1_rule(self.short_pool)
+        self.br0_placement = params.horizon == 0 or (
+            self.short_pool and params.stage1 == "auto" and not params.learned_short_pool
+            and self.table.spread is not None)
+        if self.br0_placement and self.short_pool and params.stage1 == "auto":
+            self.rule = "lpt"
         self.threshold = 0 if whole else params.s_greedy
         self.out: list[Assignment] = []
         self.exact = False
@@ -444,7 +457,7 @@ class _Round:
         while self.waiting and self.total_free > 0:
             candidates = self.waiting[: self.params.stage1_candidates]
             pos = int(np.argmax(self.sizes[candidates]))  # first maximum: the earliest
-            if self.params.horizon > 0:
+            if not self.br0_placement:
                 worker = self._best_worker(candidates[pos])
             else:
                 key = self.table.loads[:, 0] + weight * (capacity - self.free)

@@ -277,3 +277,29 @@ def test_expected_overflow_prefers_the_worker_whose_future_is_known():
     assert ([a.worker for a in route_round(oracle, pool, params)[0]]
             == [a.worker for a in route_round(oracle, pool,
                                               replace(params, expected_overflow=False))[0]])
+
+
+def test_a_short_pool_with_a_learned_law_is_placed_as_br0_places_it():
+    """Worker 0's request ends now with probability 0.9 (learned law), so BR-H's lookahead sees
+    worker 0 nearly empty from step 1 on; with true lengths (c_hat 1) it is surely empty. A
+    short pool (one request, three free slots): with true lengths the lookahead places it (on
+    worker 0); with the learned law the default places it as BR-0 does (largest first onto the
+    least loaded, worker 1), and ``learned_short_pool=True`` by the lookahead (worker 0). A
+    long pool is left to the lookahead either way."""
+    loads = np.array([500.0, 400.0, 450.0])
+    law = dict(active_p_fin=np.array([0.9, 0.0, 0.0]),
+               active_mu_rem=np.array([1.0, np.nan, np.nan]))
+    learned = FleetView(2, loads, np.array([1, 1, 1]), np.array([0, 1, 2]), loads,
+                        active_c_hat=np.array([1.1, 10.0, 10.0]), **law)
+    oracle = FleetView(2, loads, np.array([1, 1, 1]), np.array([0, 1, 2]), loads,
+                       active_c_hat=np.array([1.0, 10.0, 10.0]))
+    params = BalanceRouteParams(horizon=10, gamma=0.9)
+    pool = [WaitingRequest("a", 300)]
+    assert [a.worker for a in route_round(oracle, pool, params)[0]] == [0]
+    assert [a.worker for a in route_round(learned, pool, params)[0]] == [1]
+    assert [a.worker for a in route_round(learned, pool, BalanceRouteParams.br0())[0]] == [1]
+    lookahead = replace(params, learned_short_pool=True)
+    assert [a.worker for a in route_round(learned, pool, lookahead)[0]] == [0]
+    long_pool = [WaitingRequest(str(i), 300) for i in range(4)]  # 4 > 3 free slots
+    assert (route_round(learned, long_pool, params)[0]
+            == route_round(learned, long_pool, lookahead)[0])

@@ -42,22 +42,33 @@ def mixture_loads(
     ahead then sees no ending at all before ``mu``). The oracle does not come here: true
     lengths are a deterministic ``c_hat`` (:func:`projected_loads`).
     """
-    p = np.clip(np.asarray(p_fin, dtype=np.float64), 0.0, 1.0)
-    mu = np.asarray(mu_rem, dtype=np.float64)
-    mu = np.minimum(np.where(np.isfinite(mu) & (p > 0), mu, float(horizon)), horizon - 1e-9)
+    p, mu = _law(p_fin, mu_rem, horizon)
     out = projected_loads(workers, horizon, active_worker, active_size,
                           np.full(p.shape, float(horizon)), weight=1.0 - p)
     if end_points <= 0:
         return out + projected_loads(workers, horizon, active_worker, active_size, mu,
                                      weight=p, refill=refill)
+    for end in _end_times(mu, horizon, end_points):
+        out += projected_loads(workers, horizon, active_worker, active_size, end,
+                               weight=p / end_points, refill=refill)
+    return out
+
+
+def _law(p_fin: np.ndarray, mu_rem: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
+    """``p_fin`` clipped to [0, 1]; ``mu_rem`` below H, and H where unknown or ``p_fin`` is 0."""
+    p = np.clip(np.asarray(p_fin, dtype=np.float64), 0.0, 1.0)
+    mu = np.asarray(mu_rem, dtype=np.float64)
+    mu = np.minimum(np.where(np.isfinite(mu) & (p > 0), mu, float(horizon)), horizon - 1e-9)
+    return p, mu
+
+
+def _end_times(mu: np.ndarray, horizon: int, end_points: int) -> list[np.ndarray]:
+    """The ``end_points`` quantile midpoints of the uniform end-time law with mean ``mu``
+    (see :func:`mixture_loads`), each below H."""
     low = np.where(mu <= horizon / 2, 0.0, 2.0 * mu - horizon)
     high = np.where(mu <= horizon / 2, 2.0 * mu, float(horizon))
-    for j in range(end_points):
-        end = low + (high - low) * (j + 0.5) / end_points
-        out += projected_loads(workers, horizon, active_worker, active_size,
-                               np.minimum(end, horizon - 1e-9), weight=p / end_points,
-                               refill=refill)
-    return out
+    return [np.minimum(low + (high - low) * (j + 0.5) / end_points, horizon - 1e-9)
+            for j in range(end_points)]
 
 
 def projected_loads(
@@ -137,16 +148,9 @@ def mixture_spread(
     """
     if active_worker.size == 0 or horizon == 0:
         return np.zeros((workers, horizon + 1), dtype=np.float64)
-    p = np.clip(np.asarray(p_fin, dtype=np.float64), 0.0, 1.0)
-    mu = np.asarray(mu_rem, dtype=np.float64)
-    mu = np.minimum(np.where(np.isfinite(mu) & (p > 0), mu, float(horizon)), horizon - 1e-9)
+    p, mu = _law(p_fin, mu_rem, horizon)
     steps = np.arange(horizon + 1, dtype=np.float64)
-    if end_points <= 0:
-        ends = [mu]
-    else:
-        low = np.where(mu <= horizon / 2, 0.0, 2.0 * mu - horizon)
-        high = np.where(mu <= horizon / 2, 2.0 * mu, float(horizon))
-        ends = [low + (high - low) * (j + 0.5) / end_points for j in range(end_points)]
+    ends = [mu] if end_points <= 0 else _end_times(mu, horizon, end_points)
     # alive weight of a point at t (clipped to [1, H)): 1 before floor(t), t - floor(t) at
     # floor(t), 0 after; summed over the points by difference arrays, one bincount each
     width = horizon + 2
@@ -154,7 +158,7 @@ def mixture_spread(
     delta = np.zeros(p.size * width)
     delta[rows] = float(len(ends))
     for end in ends:
-        t = np.clip(np.minimum(end, horizon - 1e-9), 1.0, float(horizon))
+        t = np.clip(end, 1.0, float(horizon))
         whole = np.floor(t).astype(np.int64)
         frac = t - whole
         delta -= np.bincount(rows + whole, weights=1.0 - frac, minlength=delta.size)

@@ -182,14 +182,20 @@ class BalanceRouteParams:
             )
         return float(self.beta)
 
-    def stage1_rule(self, short_pool: bool) -> tuple[Literal["paper", "best-pair", "lpt"], bool]:
+    def stage1_rule(self, short_pool: bool, learned: bool = False
+                    ) -> tuple[Literal["paper", "best-pair", "lpt"], bool]:
         """The Stage-1 rule of a round, and whether it runs until every slot is used (a short
-        pool under ``auto``, ``auto-pair`` or ``lpt``) instead of down to ``s_greedy``."""
+        pool under ``auto``, ``auto-pair`` or ``lpt``) instead of down to ``s_greedy``.
+        ``learned``: the round's projected loads carry a learned law's spread; BR-H under
+        ``auto`` then places a short pool as BR-0 does (``lpt``) unless
+        ``learned_short_pool``."""
         if self.stage1 == "paper" or self.stage1 == "best-pair":
             return self.stage1, False
         if not short_pool:
             return "paper", False
-        if self.stage1 == "auto-pair" or (self.stage1 == "auto" and self.horizon > 0):
+        if self.stage1 == "auto" and self.horizon > 0:
+            return ("lpt" if learned and not self.learned_short_pool else "best-pair"), True
+        if self.stage1 == "auto-pair":
             return "best-pair", True
         if self.stage1 == "lpt":
             return "lpt", True
@@ -354,12 +360,8 @@ class _Round:
             self.rows = np.repeat(self.sizes[:, None], params.horizon + 1, axis=1)
         self.waiting = list(range(head))  # pool indices still waiting, in arrival order
         self.short_pool = len(pool) <= self.total_free
-        self.rule, whole = params.stage1_rule(self.short_pool)
-        self.br0_placement = params.horizon == 0 or (
-            self.short_pool and params.stage1 == "auto" and not params.learned_short_pool
-            and self.table.spread is not None)
-        if self.br0_placement and self.short_pool and params.stage1 == "auto":
-            self.rule = "lpt"
+        self.rule, whole = params.stage1_rule(self.short_pool,
+                                              learned=self.table.spread is not None)
         self.threshold = 0 if whole else params.s_greedy
         self.out: list[Assignment] = []
         self.exact = False
@@ -452,12 +454,15 @@ class _Round:
     def stage1_lpt(self) -> None:
         """The ``lpt`` rule (a short pool: every request is admitted): the largest of the first
         ``stage1_candidates`` waiting (the earliest of ties) onto the open worker with the
-        lowest ``load + lpt_count_weight * active requests`` (ties: lower index)."""
+        lowest ``load + lpt_count_weight * active requests`` (ties: lower index); BR-H with
+        ``stage1="lpt"`` onto the open worker where its F is highest (under ``auto`` BR-H
+        reaches lpt only to place as BR-0 does: :meth:`BalanceRouteParams.stage1_rule`)."""
         weight, capacity = self.params.lpt_count_weight, self.fleet.capacity
+        by_score = self.params.horizon > 0 and self.params.stage1 == "lpt"
         while self.waiting and self.total_free > 0:
             candidates = self.waiting[: self.params.stage1_candidates]
             pos = int(np.argmax(self.sizes[candidates]))  # first maximum: the earliest
-            if not self.br0_placement:
+            if by_score:
                 worker = self._best_worker(candidates[pos])
             else:
                 key = self.table.loads[:, 0] + weight * (capacity - self.free)

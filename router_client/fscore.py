@@ -78,27 +78,18 @@ def expected_overflow(x: np.ndarray, sigma: np.ndarray) -> np.ndarray:
     """``E[max(0, x + e)]`` for ``e ~ Normal(0, sigma^2)``: ``x Phi(x/sigma) + sigma
     phi(x/sigma)``, and ``max(0, x)`` where ``sigma`` is 0. Convex and increasing in ``x``,
     above ``max(0, x)``, and nearly flat in ``x`` where ``sigma`` is large. ``sigma`` is a
-    scalar or runs along the last axis of ``x`` (one value per horizon step)."""
+    scalar or runs along the last axis of ``x`` (one value per horizon step); only its
+    positive columns are evaluated."""
     x = np.asarray(x, dtype=np.float64)
-    sigma = np.asarray(sigma, dtype=np.float64)
+    shape = x.shape
+    x = np.atleast_1d(x)
+    sigma = np.broadcast_to(np.asarray(sigma, dtype=np.float64), x.shape[-1:])
     out = np.maximum(0.0, x)
-    if sigma.ndim == 0:
-        sigma = np.full(x.shape[-1:] if x.ndim else (1,), float(sigma))
-        if x.ndim == 0:
-            return expected_overflow(x[None], sigma)[0]
     cols = np.flatnonzero(sigma > 0.0)
-    if cols.size == 0:
-        return out
-    if cols.size < sigma.size:
-        part, scale = x[..., cols], sigma[cols]
-    else:
-        part, scale = x, sigma
+    part, scale = x[..., cols], sigma[cols]
     z = part / scale
-    smooth = part * ndtr(z) + scale * np.exp(-0.5 * z * z) * _INV_SQRT_2PI
-    if cols.size < sigma.size:
-        out[..., cols] = smooth
-        return out
-    return smooth
+    out[..., cols] = part * ndtr(z) + scale * np.exp(-0.5 * z * z) * _INV_SQRT_2PI
+    return out.reshape(shape)
 
 
 _INV_SQRT_2PI = 1.0 / np.sqrt(2.0 * np.pi)

@@ -222,6 +222,11 @@ def _add_bench(sub) -> argparse._SubParsersAction:
                         help="H of the BR-H timed (default 80); 0 times BR-0 and its fast path")
     router.add_argument("--rounds", type=int, default=2000)
     router.add_argument("--seed", type=int, default=0)
+    router.add_argument("--predictor", default="oracle",
+                        help="where the timed states' predictions come from: oracle (true "
+                        "lengths, default) or a registered estimator learning online in the "
+                        "sampling run (survival, exact_match, hazard), whose law of remaining "
+                        "life the round projects and scores with its spread")
     router.add_argument("--json", type=Path, default=None)
     predictor = bench_sub.add_parser("predictor", help="time /v1/contributions")
     predictor.add_argument("--items", type=int, default=1024)
@@ -417,9 +422,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "router":
         from router_client.bench import bench_router
 
+        learned, policy = None, "brh-oracle"
+        if args.predictor != "oracle":
+            from .estimators.in_process import LearnerPredictor
+            from .estimators.registry import estimator_spec
+
+            spec = estimator_spec(args.predictor)
+            learned, policy = LearnerPredictor(spec.build()), spec.policy
         result = bench_router(workers=args.workers, rmax=args.rmax, pool=args.pool,
                               batch=args.batch, horizon=args.horizon, rounds=args.rounds,
-                              seed=args.seed)
+                              seed=args.seed, predictor=learned, policy=policy)
         print(json.dumps(result, indent=1))
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))

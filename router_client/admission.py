@@ -51,7 +51,7 @@ from . import fastpath
 from .errors import ContractError, ParameterError
 from .fleet import Assignment, FleetView, WaitingRequest
 from .fscore import MarginTable, candidate_rows, discounts
-from .projection import END_POINTS, mixture_loads, mixture_spread, projected_loads
+from .projection import END_POINTS, mixture_moments, projected_loads
 from .subset import SubsetChoice, best_subset
 
 Stage1Rule = Literal["auto", "paper", "best-pair", "lpt", "auto-pair"]
@@ -241,13 +241,10 @@ def build_table(fleet: FleetView, params: BalanceRouteParams,
         return MarginTable(loads, discounts(0, 1.0), params.alpha, beta)
     spread = None
     if fleet.active_p_fin is not None and fleet.active_mu_rem is not None:
-        loads = mixture_loads(fleet.workers, params.horizon, fleet.active_worker,
-                              fleet.active_size, fleet.active_p_fin, fleet.active_mu_rem,
-                              refill=refill, end_points=params.end_points)
-        if params.expected_overflow:
-            spread = mixture_spread(fleet.workers, params.horizon, fleet.active_worker,
-                                    fleet.active_size, fleet.active_p_fin,
-                                    fleet.active_mu_rem, end_points=params.end_points)
+        loads, spread = mixture_moments(
+            fleet.workers, params.horizon, fleet.active_worker, fleet.active_size,
+            fleet.active_p_fin, fleet.active_mu_rem, refill=refill,
+            end_points=params.end_points, spread=params.expected_overflow)
     else:
         loads = projected_loads(fleet.workers, params.horizon, fleet.active_worker,
                                 fleet.active_size, fleet.active_c_hat, refill=refill)

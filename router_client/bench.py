@@ -5,9 +5,11 @@ reference (``route_round(..., reference=True)``; the two must agree) and, for BR
 paper's form.
 
 Fleet states are sampled from a simulated run (``synth:long``, decode-heavy like the paper's
-traces, saturated: ``--load backlog``, BR-H with oracle predictions) once at most 10% of the
-slots (or one) are free. Each state's pool is the run's own pool, padded to ``pool`` waiting
-requests with prompts drawn from the same trace. Every round (projection, envelope, both
+traces, saturated: ``--load backlog``, BR-H with oracle predictions, or with a learned
+``predictor`` whose law of remaining life, ``p_fin`` and ``mu_rem``, the round then projects
+and scores with its spread) once at most 10% of the slots (or one) are free. Each state's
+pool is the run's own pool, padded to ``pool`` waiting requests with prompts drawn from the
+same trace. Every round (projection, envelope, both
 stages, subset selection) is timed with ``perf_counter``.
 """
 
@@ -24,7 +26,7 @@ import numpy as np
 from .admission import BalanceRouteParams, route_round
 from .fleet import FleetView, WaitingRequest
 from .policies import BalanceRoutePolicy, Decision
-from .predictors import OraclePredictor
+from .predictors import OraclePredictor, Predictor
 from .simulator import SimConfig, simulate
 from .synth import synthesize
 
@@ -56,16 +58,20 @@ class _Recorder:
         return self.inner.route(fleet, pool)
 
 
-def sample_states(workers: int, batch: int, horizon: int, seed: int, wanted: int
+def sample_states(workers: int, batch: int, horizon: int, seed: int, wanted: int,
+                  predictor: Predictor | None = None, name: str = "brh-oracle",
                   ) -> tuple[list[tuple[FleetView, list[WaitingRequest]]], np.ndarray]:
-    n = max(4000, workers * batch * 5)
+    """Full-enough fleet states of a saturated ``synth:long`` run routed by BR-H (BR-0 when
+    ``horizon`` is 0) with ``predictor`` (default: the true lengths)."""
+    slots = workers * batch
+    n = max(min(4000, 60 * slots), 5 * slots)  # a tiny fleet (tests) needs no 4,000
     trace = synthesize(f"synth:long:n={n},seed={seed}")
     params = BalanceRouteParams(horizon=horizon)
-    name = "brh-oracle" if horizon else "br0"
-    recorder = _Recorder(BalanceRoutePolicy(name, params), workers * batch, stride=1)
+    recorder = _Recorder(BalanceRoutePolicy(name if horizon else "br0", params),
+                         workers * batch, stride=1)
     config = SimConfig(workers=workers, batch=batch, load="backlog", horizon=max(horizon, 1),
                        seed=seed)
-    simulate(trace, recorder, config, OraclePredictor(trace.output_tokens))
+    simulate(trace, recorder, config, predictor or OraclePredictor(trace.output_tokens))
     states = recorder.states
     if len(states) > wanted:
         picks = np.linspace(0, len(states) - 1, wanted).astype(int)
@@ -74,10 +80,13 @@ def sample_states(workers: int, batch: int, horizon: int, seed: int, wanted: int
 
 
 def bench_router(workers: int = 8, rmax: int | None = None, pool: int = 256, batch: int = 64,
-                 horizon: int = 80, rounds: int = 2000, seed: int = 0) -> dict:
+                 horizon: int = 80, rounds: int = 2000, seed: int = 0,
+                 predictor: Predictor | None = None, policy: str = "brh-oracle") -> dict:
     """Time rounds of the default path, the pure-Python/numpy reference (``reference=True``)
-    and, for BR-H, the paper's form, interleaved on the same states. ``horizon=0``: BR-0."""
-    states, prompts = sample_states(workers, batch, horizon, seed, rounds)
+    and, for BR-H, the paper's form, interleaved on the same states. ``horizon=0``: BR-0.
+    ``predictor`` (named ``policy`` in the result): where the states' predictions come from
+    (default: the true lengths)."""
+    states, prompts = sample_states(workers, batch, horizon, seed, rounds, predictor, policy)
     if not states:
         raise RuntimeError("the simulated run never filled the fleet; no states to time")
     if horizon:
@@ -117,7 +126,7 @@ def bench_router(workers: int = 8, rmax: int | None = None, pool: int = 256, bat
     gc.unfreeze()
     load_after = os.getloadavg()[0]
     return {
-        "policy": "brh-oracle" if horizon else "br0",
+        "policy": policy if horizon else "br0",
         "workers": workers, "rmax": params.effective_r_max(workers), "pool": pool,
         "rounds": rounds,
         **_percentiles("", times["fast"]),

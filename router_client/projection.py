@@ -37,20 +37,102 @@ def mixture_loads(
     T is uniform with mean ``mu`` inside the window: on ``[0, 2 mu]`` when ``mu <= H/2``, on
     ``[2 mu - H, H]`` otherwise (a request with a constant hazard and a small ``p_fin`` ends
     about uniformly over the window, ``mu`` near H/2), taken at ``end_points`` quantile
-    midpoints of weight ``p_fin / end_points``. ``end_points=0`` puts all of it at ``mu``
-    (the point law; it treats the mean end time as known, and a router that looks a few steps
-    ahead then sees no ending at all before ``mu``). The oracle does not come here: true
-    lengths are a deterministic ``c_hat`` (:func:`projected_loads`).
+    midpoints of weight ``p_fin / end_points``. A point at t runs fully before ``floor(t)``
+    and with weight ``t - floor(t)`` at ``floor(t)`` (as :func:`projected_loads` takes a
+    ``c_hat``). ``end_points=0`` puts all of it at ``mu`` (the point law; it treats the mean
+    end time as known, and a router that looks a few steps ahead then sees no ending at all
+    before ``mu``). The oracle does not come here: true lengths are a deterministic ``c_hat``
+    (:func:`projected_loads`).
     """
+    return mixture_moments(workers, horizon, active_worker, active_size, p_fin, mu_rem,
+                           refill=refill, end_points=end_points)[0]
+
+
+def mixture_moments(
+    workers: int,
+    horizon: int,
+    active_worker: np.ndarray,
+    active_size: np.ndarray,
+    p_fin: np.ndarray,
+    mu_rem: np.ndarray,
+    refill: float | None = None,
+    end_points: int = END_POINTS,
+    spread: bool = False,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The mean (:func:`mixture_loads`) and, with ``spread``, the standard deviation
+    (:func:`mixture_spread`) of each worker's load h steps ahead, shapes ``(G, H+1)``.
+
+    A request runs at step h with probability ``q_h = 1 - p_fin + p_fin * a_h``, ``a_h`` the
+    share of its end points still running at h. ``q`` is piecewise constant in h: it changes
+    only at ``floor(t)`` and ``floor(t) + 1`` of each point t. So each request adds its
+    changes of ``q`` (and of ``q (1 - q)``) at those few steps to per-worker difference
+    arrays, weighted by the powers of its work ``w`` that ``(w + h) q`` and ``(w + h)^2
+    q (1 - q)`` need, and prefix sums give the moments at every step: ``O(n * points +
+    G * H)``, not ``O(n * H)``.
+    """
+    shape = (workers, horizon + 1)
+    size = np.asarray(active_size, dtype=np.float64)
+    owner = np.asarray(active_worker, dtype=np.int64)
+    if owner.size == 0 or horizon == 0:
+        loads = np.zeros(shape)
+        loads[:, 0] = np.bincount(owner, weights=size, minlength=workers)
+        return loads, (np.zeros(shape) if spread else None)
     p, mu = _law(p_fin, mu_rem, horizon)
-    out = projected_loads(workers, horizon, active_worker, active_size,
-                          np.full(p.shape, float(horizon)), weight=1.0 - p)
-    if end_points <= 0:
-        return out + projected_loads(workers, horizon, active_worker, active_size, mu,
-                                     weight=p, refill=refill)
-    for end in _end_times(mu, horizon, end_points):
-        out += projected_loads(workers, horizon, active_worker, active_size, end,
-                               weight=p / end_points, refill=refill)
+    points = np.clip(mu[:, None] if end_points <= 0 else _end_times(mu, horizon, end_points),
+                     1.0, float(horizon))  # (n, K), ascending along K
+    whole = np.floor(points).astype(np.int64)
+    frac = points - whole
+    # Each point's running share drops by (1 - frac) / K at floor(t), by frac / K a step
+    # later. In step order, after a start at h = 0 (q = 1): q after each change; where a step
+    # has several, only the last value holds there and the differences sum to it.
+    n, k = points.shape
+    steps = np.empty((n, 2 * k + 1), dtype=np.int64)
+    steps[:, 0], steps[:, 1:k + 1], steps[:, k + 1:] = 0, whole, whole + 1
+    drops = np.empty((n, 2 * k + 1))
+    drops[:, 0], drops[:, 1:k + 1], drops[:, k + 1:] = 0.0, (1.0 - frac) / k, frac / k
+    order = (np.argsort(steps, axis=1, kind="stable")
+             + np.arange(0, steps.size, 2 * k + 1)[:, None]).ravel()
+    steps = steps.ravel()[order].reshape(n, 2 * k + 1)
+    q = (1.0 - p)[:, None] + p[:, None] * (
+        1.0 - np.cumsum(drops.ravel()[order].reshape(n, 2 * k + 1), axis=1))
+    dq = _changes(q, 0.0)
+    weights = [dq * size[:, None], dq]  # E load = sum q w + h sum q
+    if spread:  # Var load = sum q (1 - q) (w^2 + 2 h w + h^2)
+        dv = _changes(q * (1.0 - q), 0.0)
+        weights += [dv * (size * size)[:, None], dv * size[:, None], dv]
+    width = horizon + 2
+    where = ((owner * width)[:, None] + steps).ravel()
+    sums = [np.cumsum(np.bincount(where, weights=weight.ravel(), minlength=workers * width)
+                      .reshape(workers, width), axis=1)[:, :-1] for weight in weights]
+    h = np.arange(horizon + 1, dtype=np.float64)[None, :]
+    loads = sums[0] + h * sums[1]
+    if refill is not None:
+        loads += _mixture_refills(workers, horizon, owner, p, whole, frac, refill)
+    if not spread:
+        return loads, None
+    variance = sums[2] + 2.0 * h * sums[3] + h * h * sums[4]
+    return loads, np.sqrt(np.maximum(variance, 0.0))
+
+
+def _changes(values: np.ndarray, before: float) -> np.ndarray:
+    """Differences along the last axis, the first against ``before``."""
+    out = values.copy()
+    out[:, 0] -= before
+    out[:, 1:] -= values[:, :-1]
+    return out
+
+
+def _mixture_refills(workers: int, horizon: int, owner: np.ndarray, p: np.ndarray,
+                     whole: np.ndarray, frac: np.ndarray, refill: float) -> np.ndarray:
+    """The refills of the slots each end point empties (see :func:`projected_loads`): one of
+    ``refill`` tokens from step ``floor(t)``, growing, sharing that step with the part of the
+    request still running there."""
+    width = horizon + 2
+    weight = np.repeat(p / whole.shape[1], whole.shape[1])
+    where = (owner * width)[:, None] + whole
+    out = _refills(workers, horizon, where.ravel(), weight, whole.ravel(), refill)
+    out -= np.bincount(where.ravel(), weights=frac.ravel() * weight * refill,
+                       minlength=workers * width).reshape(workers, width)[:, :-1]
     return out
 
 
@@ -62,13 +144,14 @@ def _law(p_fin: np.ndarray, mu_rem: np.ndarray, horizon: int) -> tuple[np.ndarra
     return p, mu
 
 
-def _end_times(mu: np.ndarray, horizon: int, end_points: int) -> list[np.ndarray]:
+def _end_times(mu: np.ndarray, horizon: int, end_points: int) -> np.ndarray:
     """The ``end_points`` quantile midpoints of the uniform end-time law with mean ``mu``
-    (see :func:`mixture_loads`), each below H."""
+    (see :func:`mixture_loads`), each below H: shape ``(n, end_points)``, ascending."""
     low = np.where(mu <= horizon / 2, 0.0, 2.0 * mu - horizon)
     high = np.where(mu <= horizon / 2, 2.0 * mu, float(horizon))
-    return [np.minimum(low + (high - low) * (j + 0.5) / end_points, horizon - 1e-9)
-            for j in range(end_points)]
+    quantiles = (np.arange(end_points) + 0.5) / end_points
+    return np.minimum(low[:, None] + (high - low)[:, None] * quantiles[None, :],
+                      horizon - 1e-9)
 
 
 def projected_loads(
@@ -146,30 +229,5 @@ def mixture_spread(
     tokens if it does: its load has variance ``(w + h)^2 q_h (1 - q_h)``, and a worker's is the
     sum over its requests. The h = 0 column is 0 (an active request runs its next step).
     """
-    if active_worker.size == 0 or horizon == 0:
-        return np.zeros((workers, horizon + 1), dtype=np.float64)
-    p, mu = _law(p_fin, mu_rem, horizon)
-    steps = np.arange(horizon + 1, dtype=np.float64)
-    ends = [mu] if end_points <= 0 else _end_times(mu, horizon, end_points)
-    # alive weight of a point at t (clipped to [1, H)): 1 before floor(t), t - floor(t) at
-    # floor(t), 0 after; summed over the points by difference arrays, one bincount each
-    width = horizon + 2
-    rows = np.arange(p.size, dtype=np.int64) * width
-    delta = np.zeros(p.size * width)
-    delta[rows] = float(len(ends))
-    for end in ends:
-        t = np.clip(end, 1.0, float(horizon))
-        whole = np.floor(t).astype(np.int64)
-        frac = t - whole
-        delta -= np.bincount(rows + whole, weights=1.0 - frac, minlength=delta.size)
-        delta -= np.bincount(rows + whole + 1, weights=frac, minlength=delta.size)
-    alive = np.cumsum(delta.reshape(p.size, width), axis=1)[:, :-1] / len(ends)
-    q = (1.0 - p)[:, None] + p[:, None] * alive
-    work = np.asarray(active_size, dtype=np.float64)[:, None] + steps[None, :]
-    variance = work * work * q * (1.0 - q)
-    owner = np.asarray(active_worker, dtype=np.int64)
-    order = np.argsort(owner, kind="stable")
-    present, starts = np.unique(owner[order], return_index=True)
-    out = np.zeros((workers, horizon + 1))
-    out[present] = np.add.reduceat(variance[order], starts, axis=0)  # per-worker sums
-    return np.sqrt(np.maximum(out, 0.0))
+    return mixture_moments(workers, horizon, active_worker, active_size, p_fin, mu_rem,
+                           end_points=end_points, spread=True)[1]  # type: ignore[return-value]

@@ -106,6 +106,19 @@ def test_bench_router_writes_api_fields(tmp_path):
     assert len(result["load_average"]) == 2  # the machine load the figures were taken at
 
 
+def test_bench_router_times_learned_states(tmp_path, capsys):
+    """--predictor: the states come from a run whose estimator learns online, and the timed
+    rounds project its law with the spread (the fast path still agrees with the reference,
+    or the bench raises)."""
+    path = tmp_path / "bench.json"
+    assert main(["bench", "router", "--workers", "2", "--batch", "4", "--pool", "16",
+                 "--rounds", "20", "--predictor", "survival", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert result["policy"] == "brh-survival" and result["rounds"] == 20
+    assert main(["bench", "router", "--rounds", "5", "--predictor", "nope"]) != 0
+    assert "unknown estimator 'nope'" in capsys.readouterr().err
+
+
 def test_bench_calibration_small(tmp_path):
     path = tmp_path / "cal.json"
     assert main(["bench", "calibration", "--scored", "2000", "--json", str(path)]) == 0

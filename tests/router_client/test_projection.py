@@ -4,7 +4,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router_client.fscore import candidate_rows
-from router_client.projection import mixture_loads, mixture_spread, projected_loads
+from router_client.projection import (
+    mixture_loads,
+    mixture_moments,
+    mixture_spread,
+    projected_loads,
+)
 
 
 def direct_projection(workers, horizon, worker, size, c_hat):
@@ -117,6 +122,74 @@ def test_spread_hand_worked_and_known_loads_have_none():
                          np.array([0.5, 0.0]), np.array([5.0, np.nan]), end_points=4)
     np.testing.assert_allclose(got[1], (100 + h) * np.sqrt(alive * (1 - alive)))
     np.testing.assert_allclose(got[0], 0.0)
+
+
+def direct_alive(p_fin, mu, horizon, end_points):
+    """The mixture law's run probability q[i, h], by its definition, one step at a time:
+    1 - p_fin, plus p_fin times the share of the end points (uniform end time with mean mu,
+    at its quantile midpoints; all at mu when end_points is 0) still running at h. An
+    unknown mu (NaN) runs through the window."""
+    q = np.zeros((len(p_fin), horizon + 1))
+    for i, (p, m) in enumerate(zip(p_fin, mu, strict=True)):
+        m = min(m, horizon - 1e-9) if p > 0 and np.isfinite(m) else horizon - 1e-9
+        if end_points == 0:
+            points = [m]
+        else:
+            low, high = (0.0, 2 * m) if m <= horizon / 2 else (2 * m - horizon, horizon)
+            points = [min(low + (high - low) * (j + 0.5) / end_points, horizon - 1e-9)
+                      for j in range(end_points)]  # each below H
+        for h in range(horizon + 1):
+            share = 0.0
+            for t in points:
+                t = min(max(t, 1.0), horizon)
+                share += 1.0 if h < np.floor(t) else (t - np.floor(t) if h == np.floor(t) else 0)
+            q[i, h] = 1 - p + p * share / len(points)
+    return q
+
+
+@given(seed=st.integers(0, 2**32 - 1), end_points=st.sampled_from([0, 1, 2, 4]),
+       workers=st.integers(1, 4), horizon=st.integers(1, 30), n=st.integers(0, 12))
+def test_moments_equal_a_direct_count(seed, end_points, workers, horizon, n):
+    """Mean and spread against the law counted step by step (direct_alive): the mean load
+    sums (w + h) q, the variance (w + h)^2 q (1 - q), per worker."""
+    rng = np.random.default_rng(seed)
+    worker = rng.integers(0, workers, n)
+    size = rng.integers(1, 3000, n).astype(float)
+    p_fin = np.where(rng.uniform(size=n) < 0.2, rng.choice([0.0, 1.0], n), rng.uniform(0, 1, n))
+    mu = np.where(rng.uniform(size=n) < 0.1, np.nan, rng.uniform(0.2, horizon + 5, n))
+    q = direct_alive(p_fin, mu, horizon, end_points)
+    work = size[:, None] + np.arange(horizon + 1)[None, :]
+    mean, var = np.zeros((workers, horizon + 1)), np.zeros((workers, horizon + 1))
+    np.add.at(mean, worker, work * q)
+    np.add.at(var, worker, work ** 2 * q * (1 - q))
+    loads, spread = mixture_moments(workers, horizon, worker, size, p_fin, mu,
+                                    end_points=end_points, spread=True)
+    np.testing.assert_allclose(loads, mean, rtol=1e-9, atol=1e-6)
+    np.testing.assert_allclose(spread ** 2, var, rtol=1e-9, atol=1e-3)
+    np.testing.assert_allclose(mixture_loads(workers, horizon, worker, size, p_fin, mu,
+                                             end_points=end_points), loads)
+
+
+def test_moments_refill_is_the_projection_of_each_end_point():
+    """With refill, the mean is the (1 - p_fin) share running through and one projection
+    (with its refill) per end point, weighted p_fin / points."""
+    rng = np.random.default_rng(5)
+    workers, horizon, n, points = 3, 16, 20, 4
+    worker = rng.integers(0, workers, n)
+    size = rng.integers(10, 500, n).astype(float)
+    p_fin, mu = rng.uniform(0, 1, n), rng.uniform(1, 20, n)
+    m = np.minimum(mu, horizon - 1e-9)
+    low = np.where(m <= horizon / 2, 0.0, 2 * m - horizon)
+    high = np.where(m <= horizon / 2, 2 * m, horizon)
+    want = projected_loads(workers, horizon, worker, size, np.full(n, float(horizon)),
+                           weight=1 - p_fin)
+    for j in range(points):
+        end = np.minimum(low + (high - low) * (j + 0.5) / points, horizon - 1e-9)
+        want += projected_loads(workers, horizon, worker, size, end, weight=p_fin / points,
+                                refill=7.0)
+    got = mixture_loads(workers, horizon, worker, size, p_fin, mu, refill=7.0,
+                        end_points=points)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-6)
 
 
 @given(seed=st.integers(0, 2**32 - 1), end_points=st.sampled_from([0, 1, 4]))

@@ -423,6 +423,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from router_client.bench import bench_router
 
         learned, policy = None, "brh-oracle"
+        if args.predictor != "oracle" and args.horizon == 0:
+            raise ParameterError("--predictor", "applies to BR-H (--horizon > 0); BR-0 "
+                                 "rounds use no predictions")
         if args.predictor != "oracle":
             from .estimators.in_process import LearnerPredictor
             from .estimators.registry import estimator_spec

@@ -37,12 +37,14 @@ def mixture_loads(
     T is uniform with mean ``mu`` inside the window: on ``[0, 2 mu]`` when ``mu <= H/2``, on
     ``[2 mu - H, H]`` otherwise (a request with a constant hazard and a small ``p_fin`` ends
     about uniformly over the window, ``mu`` near H/2), taken at ``end_points`` quantile
-    midpoints of weight ``p_fin / end_points``. A point at t runs fully before ``floor(t)``
-    and with weight ``t - floor(t)`` at ``floor(t)`` (as :func:`projected_loads` takes a
-    ``c_hat``). ``end_points=0`` puts all of it at ``mu`` (the point law; it treats the mean
-    end time as known, and a router that looks a few steps ahead then sees no ending at all
-    before ``mu``). The oracle does not come here: true lengths are a deterministic ``c_hat``
-    (:func:`projected_loads`).
+    midpoints of weight ``p_fin / end_points``. A point at t (clipped to [1, H]) runs fully
+    before ``floor(t)`` and with weight ``t - floor(t)`` at ``floor(t)``, as
+    :func:`projected_loads` takes a ``c_hat`` below H; at H = 1 every point is 1 and the
+    request's ending share has ended at step 1 (where ``projected_loads`` would read a
+    ``c_hat`` of H as "at least H"). ``end_points=0`` puts all of it at ``mu`` (the point
+    law; it treats the mean end time as known, and a router that looks a few steps ahead
+    then sees no ending at all before ``mu``). The oracle does not come here: true lengths
+    are a deterministic ``c_hat`` (:func:`projected_loads`).
     """
     return mixture_moments(workers, horizon, active_worker, active_size, p_fin, mu_rem,
                            refill=refill, end_points=end_points)[0]
@@ -95,11 +97,14 @@ def mixture_moments(
     steps = steps.ravel()[order].reshape(n, 2 * k + 1)
     q = (1.0 - p)[:, None] + p[:, None] * (
         1.0 - np.cumsum(drops.ravel()[order].reshape(n, 2 * k + 1), axis=1))
-    dq = _changes(q, 0.0)
+    dq = _changes(q)
     weights = [dq * size[:, None], dq]  # E load = sum q w + h sum q
     if spread:  # Var load = sum q (1 - q) (w^2 + 2 h w + h^2)
-        dv = _changes(q * (1.0 - q), 0.0)
-        weights += [dv * (size * size)[:, None], dv * size[:, None], dv]
+        dv = _changes(q * (1.0 - q))
+        # and how many requests are uncertain (0 < q < 1), counted exactly: where none is,
+        # the variance is exactly 0, not the rounding the prefix sums of w^2 leave behind
+        uncertain = _changes(((q > 0.0) & (q < 1.0)).astype(np.float64))
+        weights += [dv * (size * size)[:, None], dv * size[:, None], dv, uncertain]
     width = horizon + 2
     where = ((owner * width)[:, None] + steps).ravel()
     sums = [np.cumsum(np.bincount(where, weights=weight.ravel(), minlength=workers * width)
@@ -111,13 +116,13 @@ def mixture_moments(
     if not spread:
         return loads, None
     variance = sums[2] + 2.0 * h * sums[3] + h * h * sums[4]
+    variance[sums[5] < 0.5] = 0.0
     return loads, np.sqrt(np.maximum(variance, 0.0))
 
 
-def _changes(values: np.ndarray, before: float) -> np.ndarray:
-    """Differences along the last axis, the first against ``before``."""
+def _changes(values: np.ndarray) -> np.ndarray:
+    """Differences along the last axis (the first against 0)."""
     out = values.copy()
-    out[:, 0] -= before
     out[:, 1:] -= values[:, :-1]
     return out
 
@@ -229,5 +234,8 @@ def mixture_spread(
     tokens if it does: its load has variance ``(w + h)^2 q_h (1 - q_h)``, and a worker's is the
     sum over its requests. The h = 0 column is 0 (an active request runs its next step).
     """
-    return mixture_moments(workers, horizon, active_worker, active_size, p_fin, mu_rem,
-                           end_points=end_points, spread=True)[1]  # type: ignore[return-value]
+    spread = mixture_moments(workers, horizon, active_worker, active_size, p_fin, mu_rem,
+                             end_points=end_points, spread=True)[1]
+    if spread is None:  # pragma: no cover - spread=True always returns one
+        raise RuntimeError("mixture_moments returned no spread")
+    return spread

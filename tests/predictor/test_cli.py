@@ -117,6 +117,9 @@ def test_bench_router_times_learned_states(tmp_path, capsys):
     assert result["policy"] == "brh-survival" and result["rounds"] == 20
     assert main(["bench", "router", "--rounds", "5", "--predictor", "nope"]) != 0
     assert "unknown estimator 'nope'" in capsys.readouterr().err
+    assert main(["bench", "router", "--rounds", "5", "--horizon", "0",
+                 "--predictor", "survival"]) != 0
+    assert "--predictor: applies to BR-H" in capsys.readouterr().err
 
 
 def test_bench_calibration_small(tmp_path):

@@ -107,7 +107,7 @@ class BalanceRouteParams:
         expected_overflow: with a predictor's ``p_fin`` and ``mu_rem``, score the overflow
             penalty as its expectation under their law (each active request running at step h
             with its probability, independently; a worker's load about normal with the
-            variance that gives: :func:`router_client.projection.mixture_spread`,
+            variance that gives: :func:`router_client.projection.mixture_moments`,
             :func:`router_client.fscore.expected_overflow`) instead of the overflow of the
             expected load. Known loads (step 0, true lengths) are scored as before.
         learned_short_pool: under ``stage1="auto"``, place a short pool by BR-H's lookahead

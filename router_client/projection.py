@@ -61,8 +61,13 @@ def mixture_moments(
     end_points: int = END_POINTS,
     spread: bool = False,
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """The mean (:func:`mixture_loads`) and, with ``spread``, the standard deviation
-    (:func:`mixture_spread`) of each worker's load h steps ahead, shapes ``(G, H+1)``.
+    """The mean (:func:`mixture_loads`) and, with ``spread``, the standard deviation of each
+    worker's load h steps ahead, shapes ``(G, H+1)``.
+
+    The spread takes each request to run at step h with probability ``q_h`` (the weight
+    :func:`mixture_loads` gives it there), independently of the others, reading ``w + h``
+    tokens if it does: its load has variance ``(w + h)^2 q_h (1 - q_h)``, a worker's is the
+    sum over its requests, and the h = 0 column is 0 (an active request runs its next step).
 
     A request runs at step h with probability ``q_h = 1 - p_fin + p_fin * a_h``, ``a_h`` the
     share of its end points still running at h. ``q`` is piecewise constant in h: it changes
@@ -216,26 +221,3 @@ def _refills(workers: int, horizon: int, where: np.ndarray, weight: np.ndarray,
     count = np.cumsum(count.reshape(workers, width), axis=1)[:, :-1]
     return level + count * np.arange(horizon + 1, dtype=np.float64)[None, :]
 
-
-def mixture_spread(
-    workers: int,
-    horizon: int,
-    active_worker: np.ndarray,
-    active_size: np.ndarray,
-    p_fin: np.ndarray,
-    mu_rem: np.ndarray,
-    end_points: int = END_POINTS,
-) -> np.ndarray:
-    """Standard deviation of each worker's load h steps ahead under the law of
-    :func:`mixture_loads`, shape ``(G, H+1)``.
-
-    Each request is taken to run at step h with probability ``q_h`` (the weight
-    :func:`mixture_loads` gives it there), independently of the others, reading ``w + h``
-    tokens if it does: its load has variance ``(w + h)^2 q_h (1 - q_h)``, and a worker's is the
-    sum over its requests. The h = 0 column is 0 (an active request runs its next step).
-    """
-    spread = mixture_moments(workers, horizon, active_worker, active_size, p_fin, mu_rem,
-                             end_points=end_points, spread=True)[1]
-    if spread is None:  # pragma: no cover - spread=True always returns one
-        raise RuntimeError("mixture_moments returned no spread")
-    return spread

@@ -7,7 +7,6 @@ from router_client.fscore import candidate_rows
 from router_client.projection import (
     mixture_loads,
     mixture_moments,
-    mixture_spread,
     projected_loads,
 )
 
@@ -118,8 +117,9 @@ def test_spread_hand_worked_and_known_loads_have_none():
     alive = np.array([1.0, 0.90625, 0.875, 0.84375, 0.75, 0.75, 0.65625, 0.625, 0.59375, 0.5,
                       0.5])
     h = np.arange(11)
-    got = mixture_spread(2, 10, np.array([1, 0]), np.array([100.0, 50.0]),
-                         np.array([0.5, 0.0]), np.array([5.0, np.nan]), end_points=4)
+    _, got = mixture_moments(2, 10, np.array([1, 0]), np.array([100.0, 50.0]),
+                             np.array([0.5, 0.0]), np.array([5.0, np.nan]), end_points=4,
+                             spread=True)
     np.testing.assert_allclose(got[1], (100 + h) * np.sqrt(alive * (1 - alive)))
     np.testing.assert_allclose(got[0], 0.0)
 

@@ -5,8 +5,10 @@ trained on 20,000 observations of ``synth:templated``, so ExactMatch and Surviva
 first right after the ingestion (``in_process``: the hazard model's fits of the last batches
 still run on their thread), then once they are done (``in_process_fits_done``).
 Over HTTP: the same query as JSON to a real uvicorn server on 127.0.0.1, one persistent
-connection. Ingestion: batches of 1000 observations posted over HTTP, each answered only after
-its SQLite commit.
+connection, as ``items`` (``http``) and as ``columns`` (``http_columns``, what
+:class:`router_client.http_predictor.HttpPredictor` sends), alternated call by call.
+Ingestion: batches of 1000 observations posted over HTTP, each answered only after its SQLite
+commit.
 """
 
 from __future__ import annotations
@@ -82,7 +84,12 @@ def bench_predictor(items: int = 1024, rounds: int = 300, ingest_batches: int = 
                 client.post("/v1/observations", json={"observations": batch}).raise_for_status()
             elapsed = time.perf_counter() - started
             result["ingest_http_obs_per_s"] = round(ingest_batches * 1000 / elapsed)
-            result["http"] = _percentiles(_contributions_latencies(client, body, rounds))
+            # the two layouts of the same query, alternated round by round (same conditions)
+            columnar = {"horizon": 80, "columns": {
+                field: [item[field] for item in body["items"]] for field in body["items"][0]}}
+            both = _contributions_latencies(client, [body, columnar], rounds)
+            result["http"], result["http_columns"] = (_percentiles(both[0::2]),
+                                                      _percentiles(both[1::2]))
             result.update(_contributions_while_ingesting(client, base, rounds))
     return result
 
@@ -101,16 +108,18 @@ ONE_ITEM = {"horizon": 80, "items": [{"request_id": "one", "prompt_key": "k",
                                      "prompt_tokens": 1000, "generated_tokens": 10}]}
 
 
-def _contributions_latencies(client, body: dict, rounds: int) -> list[float]:
-    """Seconds per ``/v1/contributions`` call, as a router makes it: encode, post, decode."""
+def _contributions_latencies(client, body: dict | list[dict], rounds: int) -> list[float]:
+    """Seconds per ``/v1/contributions`` call, as a router makes it: encode, post, decode.
+    With several bodies, each round posts each of them in turn (times in that order)."""
     times = []
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        answer = client.post("/v1/contributions", content=orjson.dumps(body),
-                             headers={"content-type": "application/json"})
-        answer.raise_for_status()
-        orjson.loads(answer.content)
-        times.append(time.perf_counter() - t0)
+        for one in body if isinstance(body, list) else [body]:
+            t0 = time.perf_counter()
+            answer = client.post("/v1/contributions", content=orjson.dumps(one),
+                                 headers={"content-type": "application/json"})
+            answer.raise_for_status()
+            orjson.loads(answer.content)
+            times.append(time.perf_counter() - t0)
     return times
 
 

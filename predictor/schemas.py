@@ -132,12 +132,31 @@ class ContributionItem(TypedDict):
     generated_tokens: TokenCount
 
 
+class ContributionColumns(TypedDict):
+    """The same active requests as ``items``, one array per field (entry ``i`` of every array
+    is request ``i``): about half the bytes of ``items`` and several times cheaper to parse,
+    on both sides. Every array given must have as many entries as ``request_id``; ``null``
+    in ``prompt_key``, ``prompt`` or ``prompt_tokens`` is that request's field left out."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
+    request_id: list[RequestId]
+    prompt_key: NotRequired[list[PromptKey | None]]
+    prompt: NotRequired[list[PromptText | None]]
+    prompt_tokens: NotRequired[list[TokenCount | None]]
+    generated_tokens: list[TokenCount]
+
+
 class ContributionsIn(TypedDict):
+    """``items`` or ``columns`` (exactly one); the answer comes in the same layout."""
+
     __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
     horizon: NotRequired[Horizon | None]
     estimator: NotRequired[EstimatorName]
-    items: Annotated[list[ContributionItem], Field(
-        description="at most BALANCEROUTE_MAX_ITEMS_PER_QUERY (default 65536)")]
+    items: NotRequired[Annotated[list[ContributionItem], Field(
+        description="at most BALANCEROUTE_MAX_ITEMS_PER_QUERY (default 65536)")]]
+    columns: NotRequired[Annotated[ContributionColumns, Field(
+        description="the items as one array per field; at most "
+                    "BALANCEROUTE_MAX_ITEMS_PER_QUERY entries")]]
 
 
 CONTRIBUTIONS_IN = TypeAdapter(ContributionsIn)
@@ -156,11 +175,21 @@ class _PlainContributionItem(TypedDict):
     generated_tokens: TokenCount
 
 
+class _PlainContributionColumns(TypedDict):
+    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
+    request_id: list[RequestIdText]
+    prompt_key: NotRequired[list[PromptKeyText | None]]
+    prompt: NotRequired[list[str | None]]
+    prompt_tokens: NotRequired[list[TokenCount | None]]
+    generated_tokens: list[TokenCount]
+
+
 class _PlainContributionsIn(TypedDict):
     __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
     horizon: NotRequired[Horizon | None]
     estimator: NotRequired[EstimatorName]
-    items: list[_PlainContributionItem]
+    items: NotRequired[list[_PlainContributionItem]]
+    columns: NotRequired[_PlainContributionColumns]
 
 
 _PLAIN_CONTRIBUTIONS_IN = TypeAdapter(_PlainContributionsIn)
@@ -199,13 +228,27 @@ class ContributionOut(BaseModel):
                          "exact_match, the whole window for survival, 0 for the prior)")
 
 
+class ContributionColumnsOut(BaseModel):
+    """The answer's items as one array per field, in the query's order."""
+
+    request_id: list[str]
+    c_hat: list[float]
+    p_fin: list[float]
+    mu_rem: list[float | None]
+    estimator: list[str]
+    support: list[int]
+
+
 class ContributionsOut(BaseModel):
     horizon: int = Field(description="H used for this answer")
     model_version: int = Field(description="batches of observations learned so far")
     drifted: bool = Field(description="drift is flagged: routers should fall back to BR-0")
     recommendation: Recommendation | None = Field(
         description="which policy routers should run, from the newest tuning (null: none yet)")
-    items: list[ContributionOut]
+    items: list[ContributionOut] | None = Field(
+        None, description="when the query gave items (left out otherwise)")
+    columns: ContributionColumnsOut | None = Field(
+        None, description="when the query gave columns (left out otherwise)")
 
 
 class StatusOut(BaseModel):

@@ -64,6 +64,11 @@ BODIES = [
     {"items": [{"request_id": "", "generated_tokens": -1, "extra": 1}], "horizon": 0},
     {"items": [{"request_id": "r", "generated_tokens": "1"}], "estimator": "nope"},
     {"items": "none"},
+    {"columns": {"request_id": ["a", "b"], "prompt_key": ["k", None], "prompt": [None, "t\x00"],
+                 "prompt_tokens": [3, None], "generated_tokens": [0, 1]}},
+    {"columns": {"request_id": [""], "generated_tokens": [1]}, "horizon": 5000},
+    {"columns": {"request_id": "a", "generated_tokens": [True]}},
+    {"columns": {"request_id": ["é\u2603"], "generated_tokens": [2], "extra": []}},
 ]
 
 
@@ -94,11 +99,14 @@ def test_contributions_fast_schema_matches_the_full_one():
     def shape(schema: dict) -> str:
         text = json.dumps(schema, sort_keys=True)
         return text.replace("_PlainContributionItem", "ContributionItem").replace(
-            "_PlainContributionsIn", "ContributionsIn")
+            "_PlainContributionsIn", "ContributionsIn").replace(
+            "_PlainContributionColumns", "ContributionColumns")
 
     full, plain = CONTRIBUTIONS_IN.json_schema(), _PLAIN_CONTRIBUTIONS_IN.json_schema()
     for schema in (full, plain):  # descriptions only document
-        schema["properties"]["items"].pop("description", None)
+        schema.pop("description", None)
+        for layout in ("items", "columns"):
+            schema["properties"][layout].pop("description", None)
         for item in schema["$defs"].values():
             item.pop("description", None)
             for field in item["properties"].values():

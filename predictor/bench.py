@@ -54,9 +54,9 @@ def bench_predictor(items: int = 1024, rounds: int = 300, ingest_batches: int = 
     query_trace = synthesize(f"synth:templated:n={items},seed=9")
     generated = rng.integers(0, 400, items)
     keys = list(query_trace.prompt_keys)
-    body = {"horizon": 80, "items": [
-        {"request_id": f"q{i}", "prompt_key": keys[i], "prompt_tokens": 1000,
-         "generated_tokens": int(generated[i])} for i in range(items)]}
+    query = [{"request_id": f"q{i}", "prompt_key": keys[i], "prompt_tokens": 1000,
+              "generated_tokens": int(generated[i])} for i in range(items)]
+    body = {"horizon": 80, "items": query}
     training = _observations(20000, 0, 1)
     result: dict = {"items": items, "rounds": rounds}
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,7 +86,7 @@ def bench_predictor(items: int = 1024, rounds: int = 300, ingest_batches: int = 
             result["ingest_http_obs_per_s"] = round(ingest_batches * 1000 / elapsed)
             # the two layouts of the same query, alternated round by round (same conditions)
             columnar = {"horizon": 80, "columns": {
-                field: [item[field] for item in body["items"]] for field in body["items"][0]}}
+                field: [item[field] for item in query] for field in query[0]}}
             both = _contributions_latencies(client, [body, columnar], rounds)
             result["http"], result["http_columns"] = (_percentiles(both[0::2]),
                                                       _percentiles(both[1::2]))
@@ -110,16 +110,23 @@ ONE_ITEM = {"horizon": 80, "items": [{"request_id": "one", "prompt_key": "k",
 
 def _contributions_latencies(client, body: dict | list[dict], rounds: int) -> list[float]:
     """Seconds per ``/v1/contributions`` call, as a router makes it: encode, post, decode.
-    With several bodies, each round posts each of them in turn (times in that order)."""
+    With several bodies, each round posts each of them, starting with a different one each
+    round (times listed in the bodies' order)."""
     times = []
-    for _ in range(rounds):
-        for one in body if isinstance(body, list) else [body]:
+    bodies = body if isinstance(body, list) else [body]
+    for number in range(rounds):
+        # each body first in turn (no ordering bias); times kept in the bodies' order
+        order = [(number + k) % len(bodies) for k in range(len(bodies))]
+        spent = [0.0] * len(bodies)
+        for k in order:
+            one = bodies[k]
             t0 = time.perf_counter()
             answer = client.post("/v1/contributions", content=orjson.dumps(one),
                                  headers={"content-type": "application/json"})
             answer.raise_for_status()
             orjson.loads(answer.content)
-            times.append(time.perf_counter() - t0)
+            spent[k] = time.perf_counter() - t0
+        times.extend(spent)
     return times
 
 

@@ -66,6 +66,7 @@ class HttpPredictor:
         self.drifted = False
         self.closed = False
         self.columnar = True  # False once a service has refused the columnar layout
+        self.asked = 0  # queries made; columns are tried again every COLUMNS_RETRY_EVERY
 
     @property
     def flush_on_predict(self) -> bool:
@@ -82,8 +83,7 @@ class HttpPredictor:
         n = len(batch.request_ids)
         try:
             answer = self._ask(batch, horizon)
-            c_hat, p_fin, mu_rem = (np.array(answer[f], dtype=np.float64).reshape(n)
-                                    for f in ("c_hat", "p_fin", "mu_rem"))  # null -> NaN
+            c_hat, p_fin, mu_rem = (_column(answer, f, n) for f in ("c_hat", "p_fin", "mu_rem"))
             if not np.isfinite(c_hat).all():
                 raise ValueError("c_hat is not a number for every request")
             self.drifted = bool(answer.get("drifted", False))
@@ -107,8 +107,13 @@ class HttpPredictor:
         """Post the query; the answer's ``c_hat``, ``p_fin``, ``mu_rem`` as lists (by field),
         with ``drifted`` and ``recommendation``. Columns first (half the bytes of items, and
         cheaper to parse on both sides); a service that refuses them (422: one older than the
-        columnar layout) is asked with items from then on."""
+        columnar layout) is asked with items from then on, and with columns again every
+        ``COLUMNS_RETRY_EVERY`` queries (it may have been upgraded). The answer must name the
+        query's requests in order."""
         ids = [f"{self.id_prefix}{rid}" for rid in batch.request_ids.tolist()]
+        self.asked += 1
+        if not self.columnar and self.asked % COLUMNS_RETRY_EVERY == 0:
+            self.columnar = True  # the service may have been upgraded (a rolling upgrade)
         columns = {"request_id": ids, "prompt_key": list(batch.prompt_keys),
                    "prompt_tokens": np.asarray(batch.prompt_tokens, np.int64).tolist(),
                    "generated_tokens": np.asarray(batch.generated_tokens, np.int64).tolist()}
@@ -118,7 +123,10 @@ class HttpPredictor:
             if not _refuses_columns(response):
                 response.raise_for_status()
                 answer = orjson.loads(response.content)
-                return {**answer["columns"], "drifted": answer.get("drifted", False),
+                columns_out = answer["columns"]
+                if not isinstance(columns_out, dict) or columns_out.get("request_id") != ids:
+                    raise ValueError("the answer's request_id column is not the query's")
+                return {**columns_out, "drifted": answer.get("drifted", False),
                         "recommendation": answer.get("recommendation")}
             self.columnar = False
             log.info("the prediction service refused columns; asking with items from now on")
@@ -127,8 +135,8 @@ class HttpPredictor:
         response.raise_for_status()
         answer = orjson.loads(response.content)
         items = answer["items"]
-        if not isinstance(items, list):
-            raise TypeError("items is not a list")
+        if not isinstance(items, list) or [i["request_id"] for i in items] != ids:
+            raise ValueError("the answer's items are not the query's requests, in order")
         return {"c_hat": [i["c_hat"] for i in items], "p_fin": [i.get("p_fin") for i in items],
                 "mu_rem": [i.get("mu_rem") for i in items], "drifted": answer.get("drifted", False),
                 "recommendation": answer.get("recommendation")}
@@ -159,6 +167,21 @@ class HttpPredictor:
         self.client.close()
         self.report_client.close()
         return stats
+
+
+COLUMNS_RETRY_EVERY = 100  # queries in items between two tries of columns
+
+
+def _column(answer: dict, field: str, n: int) -> np.ndarray:
+    """One answer field for the n requests, as floats (null: NaN); anything but a flat list
+    of n numbers or nulls is an error."""
+    values = answer[field]
+    if not isinstance(values, list) or len(values) != n:
+        raise ValueError(f"{field} is not a list of {n} values")
+    out = np.array(values, dtype=np.float64)
+    if out.ndim != 1:
+        raise ValueError(f"{field} is not a flat list")
+    return out
 
 
 def _refuses_columns(response: httpx.Response) -> bool:

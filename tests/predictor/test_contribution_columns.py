@@ -2,6 +2,8 @@
 
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from predictor.app import create_app
 from predictor.settings import Settings
@@ -9,14 +11,16 @@ from predictor.settings import Settings
 
 @pytest.fixture
 def client(tmp_path):
-    settings = Settings(database_url=f"sqlite:///{tmp_path / 'service.db'}",
+    config = Settings(database_url=f"sqlite:///{tmp_path / 'service.db'}",
                         exact_match_min_support=2, max_items_per_query=50)
-    with TestClient(create_app(settings)) as c:
+    with TestClient(create_app(config)) as c:
         observations = [
             {"request_id": f"t{i}", "prompt_key": "tpl", "prompt_tokens": 100,
              "output_tokens": 5 + i, "finish_reason": "stop"} for i in range(4)] + [
             {"request_id": f"o{i}", "prompt_tokens": 300, "output_tokens": 40 + 10 * i,
-             "finish_reason": "length" if i == 3 else "stop"} for i in range(6)]
+             "finish_reason": "length" if i == 3 else "stop"} for i in range(6)] + [
+            {"request_id": f"p{i}", "prompt": "some text", "output_tokens": 3 + i,
+             "finish_reason": "stop"} for i in range(3)]  # a key known only by its text
         assert c.post("/v1/observations", json={"observations": observations}).status_code == 200
         yield c
 
@@ -35,7 +39,7 @@ def as_columns(items):
     return {f: [i.get(f) for i in items] for f in fields}
 
 
-@pytest.mark.parametrize("estimator", ["auto", "survival", "exact_match"])
+@pytest.mark.parametrize("estimator", ["auto", "survival", "exact_match", "hazard"])
 def test_columns_answer_what_items_answer(client, estimator):
     by_items = client.post("/v1/contributions", json={
         "horizon": 40, "estimator": estimator, "items": ITEMS})
@@ -52,7 +56,8 @@ def test_columns_answer_what_items_answer(client, estimator):
     assert columns["columns"]["request_id"] == ["a", "b", "c", "d"]
     # the prompt's text stands for its key, and the learned key answers, in both layouts
     if estimator == "auto":
-        assert columns["columns"]["estimator"][:3] == ["exact_match", "survival", "survival"]
+        assert columns["columns"]["estimator"][:3] == ["exact_match", "survival", "exact_match"]
+        assert columns["columns"]["support"][2] == 3
 
 
 def test_columns_may_leave_out_optional_fields(client):
@@ -96,3 +101,31 @@ def test_columns_past_the_item_limit_are_refused(client):
     got = client.post("/v1/contributions", json={"columns": {
         "request_id": [f"r{i}" for i in range(n)], "generated_tokens": [0] * n}})
     assert got.status_code == 413 and "51 items" in got.json()["detail"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.fixed_dictionaries({
+    "request_id": st.text(min_size=1, max_size=5),
+    "generated_tokens": st.integers(0, 10_000)}, optional={
+    "prompt_key": st.none() | st.sampled_from(["k1", "k2"]),
+    "prompt": st.none() | st.sampled_from(["text a", "text b"]),
+    "prompt_tokens": st.integers(0, 5000)}), max_size=8), st.booleans())
+def test_both_layouts_give_the_estimators_the_same_features(items, all_columns):
+    """What the estimators and the calibration sample see is the same in both layouts: ids,
+    ages, keys (a text hashed where no key is given) and prompt lengths (unknown: -1, from an
+    absent field as from a null in its column)."""
+    from predictor.api.contributions import _active_requests
+    from predictor.estimators import UNKNOWN_TOKENS
+
+    fields = ["request_id", "prompt_key", "prompt", "prompt_tokens", "generated_tokens"]
+    if not all_columns:  # a column only where some item has the field
+        fields = [f for f in fields if f in ("request_id", "generated_tokens")
+                  or any(f in i for i in items)]
+    columns = {f: [i.get(f) for i in items] for f in fields}
+    ids_i, by_items, _ = _active_requests({"items": items}, 100)
+    ids_c, by_columns, columnar = _active_requests({"columns": columns}, 100)
+    assert columnar and ids_i == ids_c == [i["request_id"] for i in items]
+    assert by_items.generated.tolist() == by_columns.generated.tolist()
+    assert list(by_items.prompt_key) == list(by_columns.prompt_key)
+    assert by_items.prompt_tokens.tolist() == by_columns.prompt_tokens.tolist() == [
+        i.get("prompt_tokens", UNKNOWN_TOKENS) for i in items]

@@ -3,6 +3,7 @@
 import httpx
 import numpy as np
 import orjson
+import pytest
 
 from predictor.livesrv import live_server
 from router_client.http_predictor import HttpPredictor
@@ -90,3 +91,60 @@ def test_a_service_without_columns_is_asked_with_items_from_then_on():
                                  ["estimator", "horizon", "items"],
                                  ["estimator", "horizon", "items"]]
     assert not predictor.columnar and predictor.failures == 0
+
+
+def test_columns_are_tried_again_after_a_while(monkeypatch):
+    """An upgraded service (a rolling upgrade) gets columns again: every
+    COLUMNS_RETRY_EVERY queries the client tries them."""
+    import router_client.http_predictor as module
+
+    monkeypatch.setattr(module, "COLUMNS_RETRY_EVERY", 3)
+    seen: list = []
+    predictor = HttpPredictor("http://127.0.0.1:9", report="sync")
+    predictor.client = httpx.Client(base_url="http://127.0.0.1:9",
+                                    transport=httpx.MockTransport(older_service(seen)))
+    for _ in range(4):
+        assert predictor.predict(BATCH, 40).c_hat is not None
+    predictor.close()
+    layouts = ["columns" if "columns" in keys else "items" for keys in seen]
+    assert layouts == ["columns", "items", "items", "columns", "items", "items"]
+
+
+def answering(body: dict):
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=body)
+    return handle
+
+
+IDS = ["7", "8", "9", "10"]
+
+
+@pytest.mark.parametrize("columns", [
+    {"request_id": IDS, "c_hat": [[1.0, 2.0], [3.0, 4.0]], "p_fin": [0.1] * 4,
+     "mu_rem": [1.0] * 4},  # nested, the right total size
+    {"request_id": IDS, "c_hat": [1.0, 2.0, 3.0], "p_fin": [0.1] * 4, "mu_rem": [1.0] * 4},
+    {"request_id": IDS[::-1], "c_hat": [1.0] * 4, "p_fin": [0.1] * 4, "mu_rem": [1.0] * 4},
+    {"request_id": IDS, "c_hat": [1.0, None, 3.0, 4.0], "p_fin": [0.1] * 4,
+     "mu_rem": [1.0] * 4},
+    {"request_id": IDS, "c_hat": 5.0, "p_fin": [0.1] * 4, "mu_rem": [1.0] * 4},
+    {"request_id": IDS, "c_hat": [1.0] * 4, "p_fin": [0.1] * 4},  # mu_rem missing
+])
+def test_an_answer_that_does_not_fit_is_a_failed_refresh(columns):
+    predictor = HttpPredictor("http://127.0.0.1:9", report="sync")
+    predictor.client = httpx.Client(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(
+        answering({"horizon": 40, "drifted": False, "columns": columns})))
+    assert predictor.predict(BATCH, 40).c_hat is None  # BR-0 this round
+    predictor.close()
+    assert predictor.failures == 1 and predictor.columnar
+
+
+def test_a_fitting_answer_with_nulls_reads_them_as_unknown():
+    predictor = HttpPredictor("http://127.0.0.1:9", report="sync")
+    predictor.client = httpx.Client(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(
+        answering({"horizon": 40, "drifted": True, "columns": {
+            "request_id": IDS, "c_hat": [1.0, 2.0, 3.0, 40.0], "p_fin": [0.5, 0.5, 0.5, 0.0],
+            "mu_rem": [1.0, 1.5, 2.0, None]}})))
+    got = predictor.predict(BATCH, 40)
+    predictor.close()
+    assert got.c_hat.tolist() == [1.0, 2.0, 3.0, 40.0] and got.drifted
+    assert np.array_equal(got.mu_rem, [1.0, 1.5, 2.0, np.nan], equal_nan=True)

@@ -84,6 +84,26 @@ class Trace:
         rows = np.sort(np.random.default_rng(seed).choice(len(self), size=n, replace=False))
         return self.take(rows)
 
+    def tile(self, n: int) -> Trace:
+        """``n`` requests: the trace replayed back to back as often as needed, cut at ``n``
+        (the first ``n`` when it is long enough). Each copy's arrivals follow the previous
+        copy's last one by the trace's mean gap, keeping their burst shape, so a fixed load
+        per worker can be kept at any fleet size (a G sweep) on a file trace."""
+        if n < 1:
+            raise TraceError(self.name, "tile needs at least 1 request")
+        if n <= len(self):
+            return self.head(n)
+        copies = -(-n // len(self))
+        rows = np.tile(np.arange(len(self)), copies)[:n]
+        tiled = self.take(rows)
+        if self.arrival_s is None:
+            return tiled
+        first, last = float(self.arrival_s[0]), float(self.arrival_s[-1])
+        period = (last - first) * len(self) / max(len(self) - 1, 1)  # the span and one gap
+        shift = np.repeat(np.arange(copies) * period, len(self))[:n]
+        return Trace(tiled.name, tiled.prompt_tokens, tiled.output_tokens, tiled.censored,
+                     tiled.prompt_keys, tiled.arrival_s + shift)
+
     def take(self, rows: np.ndarray) -> Trace:
         """The requests at ``rows`` (in that order)."""
         return Trace(self.name, self.prompt_tokens[rows], self.output_tokens[rows],

@@ -7,7 +7,9 @@ run, then a PNG.
         --per-worker 150 --policies ltl,br0,brh-oracle --json out.jsonl --png docs/g-sweep.png
 
 ``synth:*`` traces are synthesized with ``per-worker * G`` requests; a file trace is replayed
-whole at every G (load 1.0 rescales its arrivals to the fleet). ``--plot-only`` redraws.
+whole at every G (load 1.0 rescales its arrivals to the fleet), or with ``--tile`` cut or
+replayed back to back to ``per-worker * G`` requests, so that large fleets reach a steady state
+(a 12,000-request trace never fills G = 256 workers of 64 slots). ``--plot-only`` redraws.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def run(args: argparse.Namespace) -> None:
     for g in (int(w) for w in args.workers.split(",")):
         if args.trace.startswith("synth:"):
             trace = synthesize(f"{args.trace}:n={args.per_worker * g},seed={args.seed}")
+        elif args.tile:  # per-worker load fixed on a file trace: per-worker * G requests
+            trace = load_trace(args.trace, "auto", None).tile(args.per_worker * g)
         else:
             trace = load_trace(args.trace, "auto", None)
         load: float | str = args.load if args.load == "backlog" else float(args.load)
@@ -91,6 +95,9 @@ def main() -> None:
     ap.add_argument("--trace", default="synth:long")
     ap.add_argument("--workers", default="4,8,16,32,64")
     ap.add_argument("--per-worker", type=int, default=150)
+    ap.add_argument("--tile", action="store_true",
+                    help="a file trace too gets per-worker * G requests (replayed back to back "
+                         "when shorter, see Trace.tile); default: the whole file at every G")
     ap.add_argument("--load", default="1.0")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)

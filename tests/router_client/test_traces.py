@@ -119,3 +119,29 @@ def test_synthetic_workloads_match_their_documented_shape():
 def test_bad_synth_specs(spec, fragment):
     with pytest.raises(TraceError, match=fragment):
         parse_spec(spec)
+
+
+def test_tile_replays_the_trace_back_to_back_with_its_burst_shape():
+    from router_client.simulator import SimConfig, arrival_steps
+    from router_client.traces import Trace
+
+    trace = Trace("t", np.array([10, 20, 30]), np.array([5, 6, 7]), np.array([False, True, False]),
+                  ["a", None, "c"], np.array([100.0, 101.0, 104.0]))
+    tiled = trace.tile(7)
+    assert tiled.prompt_tokens.tolist() == [10, 20, 30, 10, 20, 30, 10]
+    assert tiled.censored.tolist() == [False, True, False] * 2 + [False]
+    assert tiled.prompt_keys == ["a", None, "c", "a", None, "c", "a"]
+    # each copy starts one mean gap (2 s) after the previous copy's last arrival
+    assert tiled.arrival_s.tolist() == [100, 101, 104, 106, 107, 110, 112]
+    gaps = np.diff(tiled.arrival_s)
+    assert gaps.tolist() == [1, 3, 2, 1, 3, 2]
+    # the load still sets the mean arrival rate
+    steps = arrival_steps(tiled, SimConfig(workers=2, batch=4, load=1.0))
+    rate = 1.0 * 2 * 4 / tiled.output_tokens.mean()
+    assert (len(tiled) - 1) / steps[-1] == pytest.approx(rate * (len(tiled) - 1) / len(tiled))
+    assert trace.tile(2).prompt_tokens.tolist() == [10, 20]  # long enough: the head
+    untimed = Trace("u", trace.prompt_tokens, trace.output_tokens, trace.censored,
+                    trace.prompt_keys)
+    assert untimed.tile(5).arrival_s is None and len(untimed.tile(5)) == 5
+    with pytest.raises(Exception, match="at least 1"):
+        trace.tile(0)

@@ -40,6 +40,8 @@ async def post_contributions(request: Request, service: ServiceDep,
                              metrics: MetricsDep) -> Response:
     """Expected capped remaining life ``c_hat`` of each active request, in order.
 
+    The requests come as ``items`` (a list of objects) or as ``columns`` (one array per
+    field: half the bytes, several times cheaper to parse); the answer uses the same layout.
     The body is validated straight from its bytes (hot path: a router asks every few decode
     steps for hundreds of requests); errors are the usual 422 with locations.
     """

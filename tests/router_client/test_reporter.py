@@ -45,12 +45,18 @@ class CountingService:
                             service.ids.update(o["request_id"] for o in body["observations"])
                     answer = {"accepted": len(body["observations"]), "duplicates": 0}
                     self._reply(service.status, answer)
-                else:
+                else:  # contributions: the prior for everyone, in the layout asked
                     horizon = body.get("horizon", 80)
-                    self._reply(200, {"horizon": horizon, "model_version": 0, "drifted": False,
-                                      "items": [{"request_id": i["request_id"],
-                                                 "c_hat": float(horizon)}
-                                                for i in body["items"]]})
+                    answer = {"horizon": horizon, "model_version": 0, "drifted": False}
+                    if "columns" in body:
+                        ids = body["columns"]["request_id"]
+                        n = len(ids)
+                        answer["columns"] = {"request_id": ids, "c_hat": [float(horizon)] * n,
+                                             "p_fin": [0.0] * n, "mu_rem": [None] * n}
+                    else:
+                        answer["items"] = [{"request_id": i["request_id"], "c_hat": float(horizon)}
+                                           for i in body["items"]]
+                    self._reply(200, answer)
 
             def _reply(self, status, answer):
                 data = json.dumps(answer).encode()

@@ -43,7 +43,9 @@ def run(args: argparse.Namespace) -> None:
             started = time.time()
             row = simulate(trace, make_policy(name, args.seed), config,
                            make_predictor(name, trace)).row
-            row.update(trace=args.trace, load=str(load), wall_s=round(time.time() - started, 1))
+            label = (f"{args.trace} (tiled, {args.per_worker} per worker)" if args.tile
+                     and not args.trace.startswith("synth:") else args.trace)
+            row.update(trace=label, load=str(load), wall_s=round(time.time() - started, 1))
             with args.json.open("a") as out:
                 out.write(json.dumps(row) + "\n")
             print(g, name, row["throughput_tok_s"], row["balanced_bound_tok_s"], row["wall_s"],
@@ -56,7 +58,7 @@ def plot(paths: list[Path], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 5.5))
     for color, path in zip(("tab:blue", "tab:orange", "tab:green"), paths, strict=False):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line]
         ltl = {r["workers"]: r for r in rows if r["policy"] == "ltl"}
@@ -85,7 +87,7 @@ def plot(paths: list[Path], png: Path) -> None:
         axis.set_xlabel("G (workers), per-worker load fixed (load 1.0, B = 64)")
         axis.set_title(title)
         axis.grid(True, alpha=0.3)
-        axis.legend(fontsize=7)
+        axis.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 

@@ -85,9 +85,7 @@ class _Keyed(BaseModel):
 
     def key(self) -> str | None:
         """The prompt key: the given one, else the hash of the text, else None."""
-        if self.prompt_key is None and self.prompt is not None:
-            return key_of_text(self.prompt)
-        return self.prompt_key
+        return prompt_key_of(self.prompt_key, self.prompt)
 
 
 class ObservationIn(_Keyed):
@@ -207,13 +205,17 @@ def parse_contributions(raw: bytes) -> ContributionsIn:
     return CONTRIBUTIONS_IN.validate_json(raw)
 
 
-def item_key(item: ContributionItem) -> str | None:
-    """The prompt key of a contributions item: given, else the hash of the text."""
-    key = item.get("prompt_key")
-    text = item.get("prompt")
+def prompt_key_of(key: str | None, text: str | None) -> str | None:
+    """A request's prompt key: the given one, else the hash of its prompt's text, else None
+    (observations, contribution items and columns alike)."""
     if key is None and text is not None:
         return key_of_text(text)
     return key
+
+
+def item_key(item: ContributionItem) -> str | None:
+    """The prompt key of a contributions item: given, else the hash of the text."""
+    return prompt_key_of(item.get("prompt_key"), item.get("prompt"))
 
 
 class ContributionOut(BaseModel):

@@ -24,7 +24,7 @@ import io
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -101,8 +101,7 @@ class Trace:
         first, last = float(self.arrival_s[0]), float(self.arrival_s[-1])
         period = (last - first) * len(self) / max(len(self) - 1, 1)  # the span and one gap
         shift = np.repeat(np.arange(copies) * period, len(self))[:n]
-        return Trace(tiled.name, tiled.prompt_tokens, tiled.output_tokens, tiled.censored,
-                     tiled.prompt_keys, tiled.arrival_s + shift)
+        return replace(tiled, arrival_s=tiled.arrival_s + shift)
 
     def take(self, rows: np.ndarray) -> Trace:
         """The requests at ``rows`` (in that order)."""

@@ -14,8 +14,6 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
-from router_client.traces import key_of_text
-
 from ..estimators import UNKNOWN_TOKENS, Features
 from ..metrics import Metrics
 from ..schemas import (
@@ -24,6 +22,7 @@ from ..schemas import (
     ContributionsOut,
     item_key,
     parse_contributions,
+    prompt_key_of,
 )
 from ..service import PredictorService
 from .deps import MetricsDep, ServiceDep
@@ -99,10 +98,10 @@ def _active_requests(body: ContributionsIn, limit: int) -> tuple[list[str], Feat
         raise RequestValidationError([{
             "loc": ("body",), "type": "missing" if items is None else "value_error",
             "msg": "give the active requests as items or as columns (exactly one of them)"}])
+    n = len(columns["request_id"]) if columns is not None else len(cast(list, items))
+    if n > limit:
+        raise HTTPException(413, f"{n} items; at most {limit} per query")
     if columns is not None:
-        n = len(columns["request_id"])
-        if n > limit:
-            raise HTTPException(413, f"{n} items; at most {limit} per query")
         for field, values in cast(dict[str, list], columns).items():
             if len(values) != n:
                 raise RequestValidationError([{
@@ -111,9 +110,6 @@ def _active_requests(body: ContributionsIn, limit: int) -> tuple[list[str], Feat
                            "request in every column"}])
         return columns["request_id"], _column_features(columns, n), True
     items = cast(list, items)  # given: not both absent, checked above
-    n = len(items)
-    if n > limit:
-        raise HTTPException(413, f"{n} items; at most {limit} per query")
     keys = [i.get("prompt_key") for i in items]
     if None in keys:  # a prompt's text instead of its key: hashed
         keys = [item_key(i) for i in items]
@@ -128,8 +124,7 @@ def _column_features(columns: ContributionColumns, n: int) -> Features:
     keys: list[str | None] = columns.get("prompt_key") or [None] * n
     texts = columns.get("prompt")
     if texts is not None and None in keys:  # a prompt's text where no key is given: hashed
-        keys = [key if key is not None or text is None else key_of_text(text)
-                for key, text in zip(keys, texts, strict=True)]
+        keys = [prompt_key_of(key, text) for key, text in zip(keys, texts, strict=True)]
     tokens = columns.get("prompt_tokens")
     if tokens is None:
         prompt_tokens = np.full(n, UNKNOWN_TOKENS, np.int64)

@@ -23,6 +23,7 @@ import csv
 import io
 import json
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -179,6 +180,30 @@ def _row(source: str, line: int, header: list[str], values: list[str]) -> dict[s
     return dict(zip(header, (v.strip() for v in values), strict=True))
 
 
+_UTC_OFFSET = re.compile(r"(?:Z|([+-])(\d{2}):?(\d{2}))$")
+
+
+def _timestamp_s(source: str, line: int, raw: str) -> float:
+    """Seconds since the epoch of an ISO date-time (a space or ``T`` between date and time),
+    as the Azure traces write it: ``2023-11-16 18:17:03.9799600`` (2023, no zone) or
+    ``2024-05-10 00:00:00.009930+00:00`` (2024, with a UTC offset, which is applied)."""
+    date, sep, time_of_day = raw.replace("T", " ", 1).partition(" ")
+    offset_s = 0
+    match = _UTC_OFFSET.search(time_of_day) if sep else None
+    if match:
+        time_of_day = time_of_day[:match.start()]
+        if match.group(1):
+            sign = -1 if match.group(1) == "-" else 1
+            offset_s = sign * (int(match.group(2)) * 3600 + int(match.group(3)) * 60)
+    try:
+        if any(c in time_of_day for c in "+-Zz"):  # a zone that is not an offset
+            raise ValueError
+        stamp = np.datetime64(f"{date}T{time_of_day}" if sep else date, "ns")
+    except ValueError:
+        raise TraceFormatError(source, line, f"TIMESTAMP is not a date-time: {raw!r}") from None
+    return float(stamp.astype(np.int64)) / 1e9 - offset_s
+
+
 def load_azure(source: str, text: str) -> Trace:
     header, reader = _csv_rows(source, text, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
     prompts: list[int] = []
@@ -188,13 +213,7 @@ def load_azure(source: str, text: str) -> Trace:
         if not values:
             continue
         row = _row(source, line, header, values)
-        try:
-            stamp = np.datetime64(row["TIMESTAMP"].replace(" ", "T"), "ns")
-        except ValueError:
-            raise TraceFormatError(
-                source, line, f"TIMESTAMP is not a date-time: {row['TIMESTAMP']!r}"
-            ) from None
-        arrivals.append(stamp.astype(np.int64) / 1e9)
+        arrivals.append(_timestamp_s(source, line, row["TIMESTAMP"]))
         prompts.append(_int_field(source, line, "ContextTokens", row["ContextTokens"], 0))
         outputs.append(_int_field(source, line, "GeneratedTokens", row["GeneratedTokens"], 1))
     _check_sorted(source, arrivals)

@@ -1,3 +1,5 @@
+import warnings
+
 import numpy as np
 import pytest
 
@@ -35,6 +37,26 @@ def test_sharegpt_has_no_times(shared_traces):
     assert len(trace) == 500 and trace.arrival_s is None
     full = load_trace(str(shared_traces / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"))
     assert len(full) == 30731 and int(full.censored.sum()) == 4
+
+
+def test_azure_2024_timestamps_with_a_utc_offset():
+    """The 2024 Azure traces write ``2024-05-10 00:00:00.009930+00:00``: the offset is
+    applied (the same instants written in another zone give the same arrivals), and the
+    parse raises no numpy time-zone warning (``-W error`` in CI would turn it into a crash)."""
+    utc = ("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+           "2024-05-10 00:00:00.009930+00:00,4808,10\n2024-05-10 00:00:01+00:00,3180,8\n"
+           "2024-05-10T00:00:02.5Z,110,27\n")
+    shifted = ("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+               "2024-05-10 02:00:00.009930+02:00,4808,10\n2024-05-09 23:30:01-0030,3180,8\n"
+               "2024-05-10 00:00:02.5,110,27\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first, second = parse_trace(utc, "auto", "a.csv"), parse_trace(shifted, "azure", "b.csv")
+    assert first.arrival_s == pytest.approx([0.0, 0.99007, 2.49007])
+    assert second.arrival_s == pytest.approx(first.arrival_s)
+    with pytest.raises(TraceFormatError, match="TIMESTAMP is not a date-time"):
+        parse_trace("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00+0x:00,1,2\n",
+                    "azure", "c.csv")
 
 
 @pytest.mark.parametrize(

@@ -375,10 +375,61 @@ def load_trace(spec: str, fmt: str = "auto", requests: int | None = None) -> Tra
 
         return synthesize(spec, requests)
     path = Path(spec)
+    if fmt not in FORMATS:
+        raise TraceError(spec, f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    if requests is not None and requests < 1:
+        raise TraceError(spec, "--requests must be at least 1")
     try:
-        text = path.read_text(encoding="utf-8")
+        if requests is None:
+            text = path.read_text(encoding="utf-8")
+        else:
+            text, fmt = _read_head(path, spec, fmt, requests)
     except FileNotFoundError:
         raise TraceError(spec, "no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(spec, f"cannot read the file ({exc})") from None
     return parse_trace(text, fmt, spec).head(requests)
+
+
+def _read_head(path: Path, spec: str, fmt: str, requests: int) -> tuple[str, str]:
+    """The start of the file that holds its first ``requests`` requests, and its format: a
+    file of millions of rows is not read (nor parsed) past what ``--requests`` keeps. What
+    the rows become is the same as from the whole file: a Mooncake trace is read on to the
+    first row of a later timestamp, so the last kept rows' shared timestamp is spread over
+    the same gap with the same count (:func:`spread_quantized`)."""
+    lines: list[str] = []
+    rows = 0
+    last_stamp: object = None
+    header = True  # the first non-empty line: a CSV format's header
+    with path.open(encoding="utf-8", newline="") as stream:
+        for line in stream:
+            lines.append(line)
+            if not line.strip():
+                continue
+            if header:
+                header = False
+                if fmt == "auto":
+                    fmt = detect_format(spec, line)
+                if fmt != "mooncake":
+                    continue
+            rows += 1
+            if fmt != "mooncake":
+                if rows >= requests:
+                    break
+                continue
+            stamp = _raw_timestamp(line)
+            if rows == requests:
+                last_stamp = stamp
+            elif rows > requests and (stamp != last_stamp or stamp is None):
+                break
+    return "".join(lines), fmt
+
+
+def _raw_timestamp(line: str) -> object:
+    """A Mooncake line's raw ``timestamp`` (None when the line does not parse: the full
+    parse then names the problem)."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return obj.get("timestamp") if isinstance(obj, dict) else None

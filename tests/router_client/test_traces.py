@@ -1,4 +1,6 @@
+import functools
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -167,3 +169,54 @@ def test_tile_replays_the_trace_back_to_back_with_its_burst_shape():
     assert untimed.tile(5).arrival_s is None and len(untimed.tile(5)) == 5
     with pytest.raises(Exception, match="at least 1"):
         trace.tile(0)
+
+
+@functools.cache
+def _whole_file(path: str):
+    return parse_trace(Path(path).read_text(encoding="utf-8"), "auto", path)
+
+
+@pytest.mark.parametrize("name", ["AzureLLMInferenceTrace_conv.csv", "conversation_trace.jsonl",
+                                  "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"])
+@pytest.mark.parametrize("requests", [1, 2, 7, 1000, 4010, 12031, 40000])
+def test_first_requests_read_alone_equal_the_whole_files_head(shared_traces, name, requests):
+    """``--requests N`` reads only the start of the file, and gets exactly the rows (and, for
+    Mooncake, the spread arrivals: its last timestamp bucket is read to its end) that
+    parsing the whole file and keeping N gives."""
+    path = shared_traces / name
+    full = _whole_file(str(path))
+    whole = full.head(requests)
+    for fmt in ("auto", {"A": "azure", "c": "mooncake", "s": "sharegpt"}[name[0]]):
+        head = load_trace(str(path), fmt, requests)
+        assert len(head) == len(whole) == min(requests, len(full))
+        assert np.array_equal(head.prompt_tokens, whole.prompt_tokens)
+        assert np.array_equal(head.output_tokens, whole.output_tokens)
+        assert np.array_equal(head.censored, whole.censored)
+        assert head.prompt_keys == whole.prompt_keys
+        if whole.arrival_s is None:
+            assert head.arrival_s is None
+        else:
+            assert np.array_equal(head.arrival_s, whole.arrival_s)
+
+
+def test_first_requests_stop_reading_the_file(tmp_path):
+    """Rows past the first N are not read: a broken line there does not stop a replay of the
+    first N, while one among them is still reported with its line number."""
+    csv_path = tmp_path / "t.csv"
+    csv_path.write_text("arrival_s,prompt_tokens,output_tokens\n0,10,5\n1,20,6\n"
+                        "2,30,7\nnot,a,row\n")
+    assert load_trace(str(csv_path), "auto", 3).output_tokens.tolist() == [5, 6, 7]
+    assert load_trace(str(csv_path), "csv", 2).prompt_tokens.tolist() == [10, 20]
+    with pytest.raises(TraceFormatError, match="line 5"):
+        load_trace(str(csv_path), "auto", 4)
+    moon = tmp_path / "m.jsonl"
+    moon.write_text('{"timestamp": 0, "input_length": 5, "output_length": 3}\n'
+                    '{"timestamp": 3000, "input_length": 6, "output_length": 4}\n'
+                    '{"timestamp": 3000, "input_length": 7, "output_length": 5}\n'
+                    '{"timestamp": 6000, "input_length": 8, "output_length": 6}\n{broken\n')
+    head = load_trace(str(moon), "auto", 2)
+    # the second row shares its timestamp with the third: spread over the gap to 6000 ms
+    assert head.arrival_s.tolist() == [0.0, 3.0]
+    assert load_trace(str(moon), "auto", 3).arrival_s.tolist() == [0.0, 3.0, 4.5]
+    with pytest.raises(TraceError, match="at least 1"):
+        load_trace(str(moon), "auto", 0)

@@ -322,7 +322,7 @@ class ReadyOut(BaseModel):
 
 class TraceIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    format: Literal["auto", "azure", "mooncake", "sharegpt", "csv"] = "auto"
+    format: Literal["auto", "azure", "mooncake", "sharegpt", "burstgpt", "csv"] = "auto"
     content: str = Field(..., min_length=1, description="the trace file's text")
 
 

@@ -33,7 +33,7 @@ import xxhash
 
 from .errors import TraceError, TraceFormatError
 
-FORMATS = ("auto", "azure", "mooncake", "sharegpt", "csv")
+FORMATS = ("auto", "azure", "mooncake", "sharegpt", "burstgpt", "csv")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 MAX_TRACE_TOKENS = 2**40  # far beyond any real request; keeps int64 arithmetic exact
 AZURE_CAP = 1000
@@ -290,6 +290,45 @@ def load_sharegpt(source: str, text: str) -> Trace:
                   [None] * len(prompts), None)
 
 
+BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
+
+
+def load_burstgpt(source: str, text: str) -> Trace:
+    """BurstGPT (``Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type``):
+    ``Timestamp`` in seconds from the trace's start. Its failed requests (``Response tokens``
+    0, as the trace's README describes them) never reach a decode worker and are left out.
+    Requests that share a timestamp are spread over the gap to the next one, as Mooncake's.
+    No prompt key (the model and log type name a service, not a prompt); no cap is known, so
+    nothing is censored."""
+    header, reader = _csv_rows(source, text, list(BURSTGPT_COLUMNS))
+    prompts: list[int] = []
+    outputs: list[int] = []
+    stamps: list[float] = []
+    for line, values in enumerate(reader, start=2):
+        if not values:
+            continue
+        row = _row(source, line, header, values)
+        output = _int_field(source, line, "Response tokens", row["Response tokens"], 0)
+        prompt = _int_field(source, line, "Request tokens", row["Request tokens"], 0)
+        try:
+            stamp = float(row["Timestamp"])
+            if not math.isfinite(stamp) or stamp < 0:
+                raise ValueError
+        except ValueError:
+            raise TraceFormatError(
+                source, line, f"Timestamp must be a number >= 0, got {row['Timestamp']!r}"
+            ) from None
+        if stamps and stamp < stamps[-1]:
+            raise TraceFormatError(source, line, "arrival times go backwards")
+        if output == 0:
+            continue  # a failed request: no decode
+        stamps.append(stamp)
+        prompts.append(prompt)
+        outputs.append(output)
+    return _build(source, prompts, outputs, [False] * len(outputs), [None] * len(prompts),
+                  spread_quantized(stamps) if stamps else None)
+
+
 def load_generic_csv(source: str, text: str) -> Trace:
     header, reader = _csv_rows(source, text, ["arrival_s", "prompt_tokens", "output_tokens"])
     prompts: list[int] = []
@@ -334,6 +373,7 @@ LOADERS = {
     "azure": load_azure,
     "mooncake": load_mooncake,
     "sharegpt": load_sharegpt,
+    "burstgpt": load_burstgpt,
     "csv": load_generic_csv,
 }
 
@@ -350,12 +390,14 @@ def detect_format(source: str, text: str) -> str:
         return "azure"
     if "num_prefill_tokens" in columns and "num_decode_tokens" in columns:
         return "sharegpt"
+    if all(c in columns for c in BURSTGPT_COLUMNS):
+        return "burstgpt"
     if "arrival_s" in columns:
         return "csv"
     raise TraceError(
         source,
         "cannot tell the format from the first line "
-        f"({first[:80]!r}); pass --format azure|mooncake|sharegpt|csv",
+        f"({first[:80]!r}); pass --format azure|mooncake|sharegpt|burstgpt|csv",
     )
 
 
@@ -394,40 +436,57 @@ def load_trace(spec: str, fmt: str = "auto", requests: int | None = None) -> Tra
 def _read_head(path: Path, spec: str, fmt: str, requests: int) -> tuple[str, str]:
     """The start of the file that holds its first ``requests`` requests, and its format: a
     file of millions of rows is not read (nor parsed) past what ``--requests`` keeps. What
-    the rows become is the same as from the whole file: a Mooncake trace is read on to the
-    first row of a later timestamp, so the last kept rows' shared timestamp is spread over
-    the same gap with the same count (:func:`spread_quantized`)."""
+    the rows become is the same as from the whole file: a Mooncake or BurstGPT trace is read
+    on to the first request of a later timestamp, so the last kept requests' shared
+    timestamp is spread over the same gap with the same count (:func:`spread_quantized`),
+    and BurstGPT's failed rows (left out) are not counted."""
     lines: list[str] = []
     rows = 0
     last_stamp: object = None
-    header = True  # the first non-empty line: a CSV format's header
+    header: list[str] | None = None  # a CSV format's columns, from its first non-empty line
     with path.open(encoding="utf-8", newline="") as stream:
         for line in stream:
             lines.append(line)
             if not line.strip():
                 continue
-            if header:
-                header = False
-                if fmt == "auto":
-                    fmt = detect_format(spec, line)
+            if header is None:
+                fmt = detect_format(spec, line) if fmt == "auto" else fmt
+                header = [c.strip() for c in line.split(",")]
                 if fmt != "mooncake":
                     continue
-            rows += 1
-            if fmt != "mooncake":
+            if fmt in ("mooncake", "burstgpt"):
+                stamp = _request_stamp(fmt, header, line)
+                if stamp is _FAILED:
+                    continue
+                rows += 1
+                if rows == requests:
+                    last_stamp = stamp
+                elif rows > requests and (stamp != last_stamp or stamp is None):
+                    break
+            else:
+                rows += 1
                 if rows >= requests:
                     break
-                continue
-            stamp = _raw_timestamp(line)
-            if rows == requests:
-                last_stamp = stamp
-            elif rows > requests and (stamp != last_stamp or stamp is None):
-                break
     return "".join(lines), fmt
 
 
-def _raw_timestamp(line: str) -> object:
-    """A Mooncake line's raw ``timestamp`` (None when the line does not parse: the full
-    parse then names the problem)."""
+_FAILED = object()  # a BurstGPT row of a failed request: not a request of the trace
+
+
+def _request_stamp(fmt: str, header: list[str], line: str) -> object:
+    """A Mooncake or BurstGPT line's raw timestamp (``_FAILED`` for BurstGPT's failed rows;
+    None when the line does not parse: the full parse then names the problem)."""
+    if fmt == "burstgpt":
+        values = [v.strip() for v in line.split(",")]
+        if len(values) != len(header):
+            return None
+        row = dict(zip(header, values, strict=True))
+        if row.get("Response tokens") == "0":
+            return _FAILED
+        try:
+            return float(row.get("Timestamp", ""))
+        except ValueError:
+            return None
     try:
         obj = json.loads(line)
     except json.JSONDecodeError:

@@ -220,3 +220,41 @@ def test_first_requests_stop_reading_the_file(tmp_path):
     assert load_trace(str(moon), "auto", 3).arrival_s.tolist() == [0.0, 3.0, 4.5]
     with pytest.raises(TraceError, match="at least 1"):
         load_trace(str(moon), "auto", 0)
+
+
+BURSTGPT = ("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+            "5,ChatGPT,472,18,490,Conversation log\n"
+            "45,ChatGPT,1087,0,1087,Conversation log\n"  # a failed request
+            "45,GPT-4,417,276,693,API log\n45,ChatGPT,1360,140,1500,Conversation log\n"
+            "49,ChatGPT,34,17,51,API log\n52,GPT-4,100,0,100,API log\n"
+            "60,ChatGPT,10,5,15,Conversation log\n")
+
+
+def test_burstgpt_trace(tmp_path):
+    """BurstGPT is detected from its header; failed requests (0 response tokens) are left
+    out; requests sharing a second are spread over the gap to the next; ``--requests N``
+    counts requests, not failed rows, and reads the last kept second to its end."""
+    assert detect_format("x", BURSTGPT.splitlines()[0]) == "burstgpt"
+    trace = parse_trace(BURSTGPT, "auto", "b.csv")
+    assert trace.prompt_tokens.tolist() == [472, 417, 1360, 34, 10]
+    assert trace.output_tokens.tolist() == [18, 276, 140, 17, 5]
+    assert not trace.censored.any() and trace.prompt_keys == [None] * 5
+    assert trace.arrival_s.tolist() == [0.0, 40.0, 42.0, 44.0, 55.0]
+    path = tmp_path / "burst.csv"
+    path.write_text(BURSTGPT)
+    for n in (1, 2, 3, 4, 5, 9):
+        head = load_trace(str(path), "auto", n)
+        assert head.output_tokens.tolist() == trace.output_tokens.tolist()[:n]
+        assert head.arrival_s.tolist() == trace.arrival_s.tolist()[:n]
+
+
+@pytest.mark.parametrize("row, fragment", [
+    ("50,ChatGPT,x,3,3,API log", "Request tokens"),
+    ("50,ChatGPT,3,-1,3,API log", "Response tokens"),
+    ("yesterday,ChatGPT,3,3,6,API log", "Timestamp"),
+    ("1,ChatGPT,3,3,6,API log", "backwards"),
+])
+def test_burstgpt_malformed_rows_name_the_line(row, fragment):
+    with pytest.raises(TraceFormatError, match=fragment) as caught:
+        parse_trace(BURSTGPT + row + "\n", "burstgpt", "b.csv")
+    assert caught.value.line == 9

@@ -205,6 +205,8 @@ def _timestamp_s(source: str, line: int, raw: str) -> float:
 
 
 def load_azure(source: str, text: str) -> Trace:
+    """Azure LLM inference traces (2023 and 2024). A row with no generated token never
+    reaches a decode worker and is left out; outputs at ``AZURE_CAP`` are censored."""
     header, reader = _csv_rows(source, text, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
     prompts: list[int] = []
     outputs: list[int] = []
@@ -215,8 +217,12 @@ def load_azure(source: str, text: str) -> Trace:
         row = _row(source, line, header, values)
         arrivals.append(_timestamp_s(source, line, row["TIMESTAMP"]))
         prompts.append(_int_field(source, line, "ContextTokens", row["ContextTokens"], 0))
-        outputs.append(_int_field(source, line, "GeneratedTokens", row["GeneratedTokens"], 1))
+        outputs.append(_int_field(source, line, "GeneratedTokens", row["GeneratedTokens"], 0))
     _check_sorted(source, arrivals)
+    kept = [i for i, output in enumerate(outputs) if output > 0]  # 0: nothing to decode
+    if len(kept) < len(outputs):
+        prompts, outputs = [prompts[i] for i in kept], [outputs[i] for i in kept]
+        arrivals = [arrivals[i] for i in kept]
     return _build(source, prompts, outputs, [o == AZURE_CAP for o in outputs],
                   [None] * len(prompts), arrivals)
 
@@ -463,11 +469,16 @@ def _read_head(path: Path, spec: str, fmt: str, requests: int) -> tuple[str, str
                     last_stamp = stamp
                 elif rows > requests and (stamp != last_stamp or stamp is None):
                     break
-            else:
+            elif not (fmt == "azure" and _azure_generated(header, line) == "0"):
                 rows += 1
                 if rows >= requests:
                     break
     return "".join(lines), fmt
+
+
+def _azure_generated(header: list[str], line: str) -> str | None:
+    values = [v.strip() for v in line.split(",")]
+    return dict(zip(header, values, strict=False)).get("GeneratedTokens")
 
 
 _FAILED = object()  # a BurstGPT row of a failed request: not a request of the trace

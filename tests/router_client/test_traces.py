@@ -258,3 +258,19 @@ def test_burstgpt_malformed_rows_name_the_line(row, fragment):
     with pytest.raises(TraceFormatError, match=fragment) as caught:
         parse_trace(BURSTGPT + row + "\n", "burstgpt", "b.csv")
     assert caught.value.line == 9
+
+
+def test_azure_rows_without_output_are_left_out(tmp_path):
+    """A row with 0 generated tokens (nothing to decode) is not a request of the replay, in a
+    whole-file read and in a ``--requests`` read alike; a negative count is still an error."""
+    text = ("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:01+00:00,10,0\n"
+            "2024-05-10 00:00:02+00:00,20,3\n2024-05-10 00:00:03+00:00,30,0\n"
+            "2024-05-10 00:00:05+00:00,40,4\n")
+    trace = parse_trace(text, "auto", "a.csv")
+    assert trace.prompt_tokens.tolist() == [20, 40] and trace.arrival_s.tolist() == [0.0, 3.0]
+    path = tmp_path / "a.csv"
+    path.write_text(text)
+    assert load_trace(str(path), "auto", 1).prompt_tokens.tolist() == [20]
+    assert load_trace(str(path), "azure", 2).prompt_tokens.tolist() == [20, 40]
+    with pytest.raises(TraceFormatError, match="GeneratedTokens must be >= 0"):
+        parse_trace(text + "2024-05-10 00:00:06+00:00,1,-2\n", "azure", "a.csv")

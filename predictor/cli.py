@@ -173,7 +173,9 @@ def _add_ab(sub) -> None:
     ab.add_argument("--predictor-url", default=None,
                     help="route BR-H through a running prediction service")
     ab.add_argument("--sample", type=int, default=None,
-                    help="replay N requests drawn at random (seeded by --seed, kept in order)")
+                    help="replay N requests drawn at random (seeded by --seed, kept in order); "
+                    "with --peer drawn as the BF-IO simulator draws them: in random order, "
+                    "with replacement when the trace has fewer than N")
     ab.add_argument("--peer", action="store_true",
                     help="the BF-IO simulator's setting: --load backlog (the pool kept at the "
                     "first 4G waiting requests), --batch 72, --step-cost 1.0052e-7,0.0048875")
@@ -285,7 +287,9 @@ def cmd_ab(args: argparse.Namespace) -> int:
         args.load, args.batch, args.step_cost = "backlog", PEER_BATCH, PEER_STEP_COST
     trace = load_trace(args.trace, args.format, args.requests)
     if args.sample:
-        trace = trace.sample(args.sample, args.seed)
+        # the peer's draw (random order, with replacement past the trace's length) under
+        # --peer; otherwise a sample in trace order, arrival times kept
+        trace = (trace.draw if args.peer else trace.sample)(args.sample, args.seed)
     config = SimConfig(
         batch=args.batch, load=args.load, step_cost=args.step_cost, horizon=args.horizon,
         refresh_steps=args.refresh_steps, seed=args.seed, record_trajectory=args.out is not None,

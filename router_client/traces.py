@@ -85,6 +85,17 @@ class Trace:
         rows = np.sort(np.random.default_rng(seed).choice(len(self), size=n, replace=False))
         return self.take(rows)
 
+    def draw(self, n: int, seed: int = 0) -> Trace:
+        """``n`` requests drawn at random as the BF-IO simulator draws them (its
+        ``request_generator``): without replacement when the trace holds at least ``n``,
+        with replacement otherwise, in the order drawn, without arrival times (its setting
+        has every request waiting at time 0). So ``--peer --sample 20000`` on Mooncake's
+        12,031 requests replays 20,000, as the peer's published runs do."""
+        if n < 1:
+            raise TraceError(self.name, "--sample must be at least 1")
+        rows = np.random.default_rng(seed).choice(len(self), size=n, replace=n > len(self))
+        return replace(self.take(rows), arrival_s=None)
+
     def tile(self, n: int) -> Trace:
         """``n`` requests: the trace replayed back to back as often as needed, cut at ``n``
         (the first ``n`` when it is long enough). Each copy's arrivals follow the previous

@@ -51,7 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     trace = load_trace(args.trace, "auto", args.requests)
     if args.sample:
-        trace = trace.sample(args.sample, args.seed)
+        trace = (trace.draw if args.peer else trace.sample)(args.sample, args.seed)
     load: float | str = args.load if args.load == "backlog" else float(args.load)
     batch, cost = (PEER_BATCH, PEER_STEP_COST) if args.peer else (args.batch, DEFAULT_STEP_COST)
     if args.peer:

@@ -2,6 +2,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from predictor.cli import main
@@ -170,3 +171,26 @@ def test_ab_peer_setting_and_sampling(tmp_path):
     picked = trace.sample(150, seed=0)
     assert len(picked) == 150 and picked.sample(150, 0) is picked
     assert set(picked.output_tokens.tolist()) <= set(trace.output_tokens.tolist())
+
+
+def test_peer_sample_draws_as_the_peer_does(tmp_path):
+    """``--peer --sample N`` draws as BF-IO's simulator: in random order, and with
+    replacement past the trace's length (20,000 from Mooncake's 12,031), so the run has N
+    requests; without ``--peer`` a sample keeps trace order and never exceeds the trace."""
+    from predictor.cli import main
+    from router_client.synth import synthesize
+
+    trace = synthesize("synth:long:n=300,seed=3")
+    more = trace.draw(500, seed=1)
+    assert len(more) == 500 and more.arrival_s is None
+    assert set(more.output_tokens.tolist()) <= set(trace.output_tokens.tolist())
+    assert len(np.unique(more.prompt_tokens * 100_000 + more.output_tokens)) < 300  # repeats
+    fewer = trace.draw(200, seed=1)
+    rows = np.random.default_rng(1).choice(300, size=200, replace=False)
+    assert np.array_equal(fewer.output_tokens, trace.output_tokens[rows])  # the order drawn
+    assert not np.all(np.diff(rows) > 0)
+    assert len(trace.sample(500, seed=1)) == 300
+    out = tmp_path / "rows.json"
+    assert main(["ab", "--trace", "synth:long:n=300,seed=3", "--sample", "500", "--peer",
+                 "--workers", "2", "--policies", "br0", "--quiet", "--json", str(out)]) == 0
+    assert [r["requests"] for r in json.loads(out.read_text())] == [500]

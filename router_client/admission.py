@@ -38,7 +38,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from itertools import combinations, islice
 from math import comb
 from operator import attrgetter
@@ -51,7 +51,7 @@ from . import fastpath
 from .errors import ContractError, ParameterError
 from .fleet import Assignment, FleetView, WaitingRequest
 from .fscore import MarginTable, candidate_rows, discounts
-from .projection import END_POINTS, mixture_moments, projected_loads
+from .projection import END_POINTS, end_law, mixture_moments, projected_loads
 from .subset import SubsetChoice, best_subset
 
 Stage1Rule = Literal["auto", "paper", "best-pair", "lpt", "auto-pair"]
@@ -122,7 +122,7 @@ class BalanceRouteParams:
     alpha: float = 1.0
     beta: float | None = None
     gamma: float | None = None
-    turnover_scale: float = 0.7
+    turnover_scale: float = 1.0
     r_max: int | None = None
     s_greedy: int = 7
     stage1_candidates: int = 1024
@@ -230,9 +230,11 @@ class RoundStats:
 
 
 def build_table(fleet: FleetView, params: BalanceRouteParams,
-                refill: float | None = None) -> MarginTable:
+                refill: float | None = None, gamma: float | None = None) -> MarginTable:
     """Projection, envelope and margins for one round (H = 0: the current loads); ``refill``:
-    the size of the request taking each slot emptied within the window (None: none)."""
+    the size of the request taking each slot emptied within the window (None: none);
+    ``gamma``: the round's discount when already known (else ``params.gamma``, or the
+    turnover discount)."""
     beta = params.effective_beta(fleet.workers)
     if fleet.active_c_hat is None:
         if params.horizon > 0:
@@ -248,7 +250,7 @@ def build_table(fleet: FleetView, params: BalanceRouteParams,
     else:
         loads = projected_loads(fleet.workers, params.horizon, fleet.active_worker,
                                 fleet.active_size, fleet.active_c_hat, refill=refill)
-    gamma = params.gamma
+    gamma = params.gamma if gamma is None else gamma
     if gamma is None:
         gamma = turnover_gamma(fleet, params.horizon, params.turnover_scale)
     return MarginTable(loads, discounts(params.horizon, gamma), params.alpha, beta, spread)
@@ -267,23 +269,51 @@ def gamma_value(gamma: object) -> float | None:
 
 def turnover_gamma(fleet: FleetView, horizon: int, scale: float = 1.0) -> float:
     """The discount whose effective horizon ``1 / (1 - gamma)`` is ``scale`` times the steps
-    between two admissions to one worker, clipped to [2, H] steps.
+    between two admissions to one worker, clipped to [1, H] steps (1: gamma 0, no look
+    ahead at all).
 
     Whatever a round decides about a worker is corrected at that worker's next admission; the
-    projection past it is of a fleet the router will have changed. The steps between two
-    admissions to a worker are ``G * H / n`` with ``n`` the completions expected within the
-    window (in steady state admissions match completions): ``sum(p_fin)`` when the predictor
-    gives it, else the requests whose ``c_hat`` is below H.
+    projection past it is of a fleet the router will have changed. In steady state admissions
+    match completions, so the steps between two admissions to a worker are the steps by which
+    the fleet expects G completions, one per worker: the t where ``n(t) = G``, ``n(t)`` the
+    completions expected within t steps (:func:`expected_completions`). Where fewer than G
+    are expected within the window, ``G * H / n(H)``, the rate seen over the window carried
+    on. (``G * H / n(H)`` alone, the rule before, undercounts where outputs are short against
+    H: a slot then turns over several times within the window, and ``n(H)`` counts it once.)
     """
-    if fleet.active_p_fin is not None:
-        ending = float(np.clip(fleet.active_p_fin, 0.0, 1.0).sum())
-    elif fleet.active_c_hat is not None:
-        ending = float((np.asarray(fleet.active_c_hat) < horizon).sum())
+    workers = fleet.workers
+    if horizon < 1:
+        return 0.0
+    completions = expected_completions(fleet, horizon)
+    if completions is None or completions[-1] <= 0:
+        steps = float("inf")
+    elif completions[-1] <= workers:
+        steps = workers * horizon / float(completions[-1])
     else:
-        ending = 0.0
-    steps = fleet.workers * horizon / ending if ending > 0 else float("inf")
-    effective = min(max(scale * steps, 2.0), float(max(horizon, 2)))
+        k = int(np.searchsorted(completions, workers))  # the first t = k + 1 with n >= G
+        before = float(completions[k - 1]) if k > 0 else 0.0
+        steps = k + (workers - before) / max(float(completions[k]) - before, 1e-12)
+    effective = min(max(scale * steps, 1.0), float(max(horizon, 1)))
     return 1.0 - 1.0 / effective
+
+
+def expected_completions(fleet: FleetView, horizon: int) -> np.ndarray | None:
+    """``n(t)`` for t = 1..H: the active requests expected to end within t steps. Under the
+    predictor's law when it gives one (``p_fin``, with the end time uniform given ``mu_rem``
+    as :func:`~router_client.projection.mixture_loads` takes it), else the requests whose
+    ``c_hat`` is at most t (true lengths: exact). None without predictions."""
+    t = np.arange(1, horizon + 1, dtype=np.float64)
+    if fleet.active_p_fin is not None and fleet.active_mu_rem is None:  # no end times given
+        return float(np.clip(fleet.active_p_fin, 0.0, 1.0).sum()) * t / horizon
+    if fleet.active_p_fin is not None:
+        p, mu = end_law(fleet.active_p_fin, fleet.active_mu_rem, horizon)
+        low = np.where(mu <= horizon / 2, 0.0, 2.0 * mu - horizon)
+        width = np.maximum(np.where(mu <= horizon / 2, 2.0 * mu, float(horizon)) - low, 1e-12)
+        return p @ np.clip((t[None, :] - low[:, None]) / width[:, None], 0.0, 1.0)
+    if fleet.active_c_hat is None:
+        return None
+    ends = np.sort(np.asarray(fleet.active_c_hat, dtype=np.float64))
+    return np.searchsorted(ends[ends < horizon], t, side="right").astype(np.float64)
 
 
 def route_round(
@@ -302,9 +332,18 @@ def route_round(
     total_free = int(free.sum())
     if not pool or total_free <= 0:
         return [], stats
+    gamma = params.gamma
+    if params.horizon > 0 and gamma is None and fleet.active_c_hat is not None:
+        gamma = turnover_gamma(fleet, params.horizon, params.turnover_scale)
+        if gamma <= 0.0:
+            # The next admission to a worker comes within a step: nothing the lookahead sees
+            # outlives this round's decisions, and BR-H with gamma 0 is BR-0's score. The round
+            # is BR-0's, Stage-1 rule included.
+            stats.extra["gamma"] = 0.0
+            params = _as_br0(params)
     fast = FAST_PATH if reference is None else not reference
     head = reachable_head(len(pool), params, fleet.workers, total_free) if fast else len(pool)
-    state = _Round(fleet, pool, params, free, stats, head, fast)
+    state = _Round(fleet, pool, params, free, stats, head, fast, gamma)
     if not (fast and state.fast_stage1()):
         state.stage1()
     stage2_started = perf_counter()
@@ -313,6 +352,11 @@ def route_round(
         state.stage2()
     stats.extra["stage2_s"] = perf_counter() - stage2_started
     return state.out, stats
+
+
+@lru_cache(maxsize=64)
+def _as_br0(params: BalanceRouteParams) -> BalanceRouteParams:
+    return params.as_br0()
 
 
 def reachable_head(pool: int, params: BalanceRouteParams, workers: int, total_free: int) -> int:
@@ -333,7 +377,7 @@ class _Round:
 
     def __init__(self, fleet: FleetView, pool: list[WaitingRequest],
                  params: BalanceRouteParams, free: np.ndarray, stats: RoundStats,
-                 head: int, fast: bool = False) -> None:
+                 head: int, fast: bool = False, gamma: float | None = None) -> None:
         self.fleet, self.params, self.free, self.stats = fleet, params, free, stats
         self.fast = fast  # BR-H's enumerated subsets vectorized (fastpath.best_row_subset)
         self.total_free = int(free.sum())
@@ -342,7 +386,7 @@ class _Round:
         refill = None
         if params.refill and params.horizon > 0 and len(pool) > self.total_free:
             refill = float(self.sizes[: params.stage1_candidates].mean())
-        self.table = build_table(fleet, params, refill)
+        self.table = build_table(fleet, params, refill, gamma)
         if params.horizon > 0:
             stats.extra["gamma"] = float(self.table.d[1])
         self.rows: np.ndarray | None = None

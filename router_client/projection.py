@@ -84,7 +84,7 @@ def mixture_moments(
         loads = np.zeros(shape)
         loads[:, 0] = np.bincount(owner, weights=size, minlength=workers)
         return loads, (np.zeros(shape) if spread else None)
-    p, mu = _law(p_fin, mu_rem, horizon)
+    p, mu = end_law(p_fin, mu_rem, horizon)
     points = np.clip(mu[:, None] if end_points <= 0 else _end_times(mu, horizon, end_points),
                      1.0, float(horizon))  # (n, K), ascending along K
     whole = np.floor(points).astype(np.int64)
@@ -146,7 +146,7 @@ def _mixture_refills(workers: int, horizon: int, owner: np.ndarray, p: np.ndarra
     return out
 
 
-def _law(p_fin: np.ndarray, mu_rem: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
+def end_law(p_fin: np.ndarray, mu_rem: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
     """``p_fin`` clipped to [0, 1]; ``mu_rem`` below H, and H where unknown or ``p_fin`` is 0."""
     p = np.clip(np.asarray(p_fin, dtype=np.float64), 0.0, 1.0)
     mu = np.asarray(mu_rem, dtype=np.float64)

@@ -100,9 +100,20 @@ def test_turnover_gamma_hand_worked():
     # 20 steps, capped at H = 10
     assert turnover_gamma(turnover_fleet([3, 10, 10, 5], [0.5, 0.5, 0, 0]), 10,
                           scale=0.25) == pytest.approx(0.8)
-    # nothing ends: capped at H; everything ends fast: floored at 2 steps
+    # nothing ends: capped at H; everything ends fast: floored at 1 step (gamma 0)
     assert turnover_gamma(turnover_fleet([10, 10, 10, 10]), 10) == pytest.approx(0.9)
-    assert turnover_gamma(turnover_fleet([1, 1, 1, 1]), 80, scale=0.01) == pytest.approx(0.5)
+    assert turnover_gamma(turnover_fleet([1, 1, 1, 1]), 80, scale=0.01) == 0.0
+    # more than G end within H: the time by which G = 2 are expected to have ended. Ends at
+    # 1, 2, 3, 4: n(1) = 1, n(2) = 2, so 2 steps -> gamma 0.5 (G H / n(H) = 2 * 10 / 4 = 5
+    # steps, gamma 0.8, would count each slot once though it turns over within the window)
+    assert turnover_gamma(turnover_fleet([1, 2, 3, 4]), 10) == pytest.approx(0.5)
+    # ... between two steps, linearly: ends at 1, 3, 3, 9: n(1) = 1, n(2) = 1, n(3) = 3,
+    # so n = 2 at 2.5 steps -> gamma 0.6
+    assert turnover_gamma(turnover_fleet([1, 3, 3, 9]), 10) == pytest.approx(0.6)
+    # under the predictor's law: each ends surely (p_fin 1), uniformly over [0, 4] (mu_rem
+    # 2), so n(t) = 4 t / 4 = t and n = 2 at t = 2 -> gamma 0.5
+    law = turnover_fleet([2, 2, 2, 2], [1, 1, 1, 1])
+    assert turnover_gamma(law, 10) == pytest.approx(0.5)
 
 
 def test_turnover_discount_is_used_and_reported():

@@ -303,10 +303,11 @@ def expected_completions(fleet: FleetView, horizon: int) -> np.ndarray | None:
     as :func:`~router_client.projection.mixture_loads` takes it), else the requests whose
     ``c_hat`` is at most t (true lengths: exact). None without predictions."""
     t = np.arange(1, horizon + 1, dtype=np.float64)
-    if fleet.active_p_fin is not None and fleet.active_mu_rem is None:  # no end times given
-        return float(np.clip(fleet.active_p_fin, 0.0, 1.0).sum()) * t / horizon
-    if fleet.active_p_fin is not None:
-        p, mu = end_law(fleet.active_p_fin, fleet.active_mu_rem, horizon)
+    p_fin, mu_rem = fleet.active_p_fin, fleet.active_mu_rem
+    if p_fin is not None and mu_rem is None:  # no end times given: spread over the window
+        return float(np.clip(p_fin, 0.0, 1.0).sum()) * t / horizon
+    if p_fin is not None and mu_rem is not None:
+        p, mu = end_law(p_fin, mu_rem, horizon)
         low = np.where(mu <= horizon / 2, 0.0, 2.0 * mu - horizon)
         width = np.maximum(np.where(mu <= horizon / 2, 2.0 * mu, float(horizon)) - low, 1e-12)
         return p @ np.clip((t[None, :] - low[:, None]) / width[:, None], 0.0, 1.0)

@@ -314,3 +314,26 @@ def test_a_short_pool_with_a_learned_law_is_placed_as_br0_places_it():
     long_pool = [WaitingRequest(str(i), 300) for i in range(4)]  # 4 > 3 free slots
     assert (route_round(learned, long_pool, params)[0]
             == route_round(learned, long_pool, lookahead)[0])
+
+
+def test_expected_completions_under_the_law_match_ramp_by_ramp():
+    """The breakpoint construction of n(t) equals evaluating every request's uniform end-time
+    ramp at every t (the O(n H) definition), steps (mu_rem 0) included."""
+    from router_client.admission import expected_completions
+    from router_client.projection import end_law
+
+    rng = np.random.default_rng(3)
+    horizon = 80
+    for _ in range(200):
+        n = int(rng.integers(1, 300))
+        p_fin = rng.uniform(0, 1, n) * (rng.uniform(size=n) < 0.9)
+        mu_rem = rng.uniform(0, horizon, n)
+        mu_rem[rng.uniform(size=n) < 0.05] = 0.0
+        fleet = FleetView(8, np.zeros(2), np.zeros(2, np.int64), np.zeros(n, np.int64),
+                          np.ones(n), np.full(n, 5.0), None, p_fin, mu_rem)
+        p, mu = end_law(p_fin, mu_rem, horizon)
+        low = np.where(mu <= horizon / 2, 0.0, 2.0 * mu - horizon)
+        width = np.maximum(np.where(mu <= horizon / 2, 2.0 * mu, float(horizon)) - low, 1e-12)
+        t = np.arange(1, horizon + 1, dtype=np.float64)
+        direct = p @ np.clip((t[None, :] - low[:, None]) / width[:, None], 0.0, 1.0)
+        assert expected_completions(fleet, horizon) == pytest.approx(direct, abs=1e-8)

@@ -287,7 +287,7 @@ def turnover_gamma(fleet: FleetView, horizon: int, scale: float = 1.0) -> float:
     completions = expected_completions(fleet, horizon)
     if completions is None or completions[-1] <= 0:
         steps = float("inf")
-    elif completions[-1] <= workers:
+    elif completions[-1] < workers:
         steps = workers * horizon / float(completions[-1])
     else:
         k = int(np.searchsorted(completions, workers))  # the first t = k + 1 with n >= G
@@ -362,11 +362,13 @@ def route_round(
     if params.horizon > 0 and gamma is None and fleet.active_c_hat is not None:
         gamma = turnover_gamma(fleet, params.horizon, params.turnover_scale)
         if gamma <= 0.0:
-            # The next admission to a worker comes within a step: nothing the lookahead sees
-            # outlives this round's decisions, and BR-H with gamma 0 is BR-0's score. The round
-            # is BR-0's, Stage-1 rule included.
             stats.extra["gamma"] = 0.0
-            params = _as_br0(params)
+            if params.effective_beta(fleet.workers) == params.alpha * fleet.workers:
+                # The next admission to a worker comes within a step: nothing the lookahead
+                # sees outlives this round's decisions, and BR-H with gamma 0 and beta =
+                # alpha G is BR-0's score (scaled by alpha). The round is BR-0's, Stage-1 rule
+                # included. (Another beta, the paper's 43, keeps its own score at gamma 0.)
+                params = _as_br0(params)
     fast = FAST_PATH if reference is None else not reference
     head = reachable_head(len(pool), params, fleet.workers, total_free) if fast else len(pool)
     state = _Round(fleet, pool, params, free, stats, head, fast, gamma)

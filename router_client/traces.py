@@ -4,8 +4,9 @@ A :class:`Trace` holds one row per request in arrival order. Loaders report a ma
 with :class:`~router_client.errors.TraceFormatError` (file and line number), never a traceback.
 
 Formats (``--format auto`` detects them from the path and the first line):
-  azure     CSV ``TIMESTAMP,ContextTokens,GeneratedTokens``; outputs of exactly 1000 tokens
-            are the trace's max_tokens cap and are marked right-censored.
+  azure     CSV ``TIMESTAMP,ContextTokens,GeneratedTokens`` (2023 and 2024: a UTC offset is
+            applied); rows with 0 generated tokens are left out; outputs of exactly 1000
+            tokens are the trace's max_tokens cap and are marked right-censored.
   mooncake  JSON lines ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``;
             timestamps are quantized (about 3 s), so requests that share one are spread evenly
             over the gap to the next; outputs of exactly 2000 are censored; the prompt key is
@@ -13,6 +14,9 @@ Formats (``--format auto`` detects them from the path and the first line):
             prompt shared by all; block 1 starts the conversation, and later turns extend it).
   sharegpt  CSV ``num_prefill_tokens,num_decode_tokens,...``, no times (arrivals are generated
             when replaying); outputs of 1024 are censored.
+  burstgpt  CSV ``Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type``
+            (seconds); failed requests (0 response tokens) are left out; requests sharing a
+            second are spread over the gap to the next.
   csv       ``arrival_s,prompt_tokens,output_tokens[,prompt_key][,finish_reason]``.
   synth:... seeded synthetic workloads, see :mod:`router_client.synth`.
 """
@@ -21,11 +25,13 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -453,64 +459,88 @@ def load_trace(spec: str, fmt: str = "auto", requests: int | None = None) -> Tra
 def _read_head(path: Path, spec: str, fmt: str, requests: int) -> tuple[str, str]:
     """The start of the file that holds its first ``requests`` requests, and its format: a
     file of millions of rows is not read (nor parsed) past what ``--requests`` keeps. What
-    the rows become is the same as from the whole file: a Mooncake or BurstGPT trace is read
-    on to the first request of a later timestamp, so the last kept requests' shared
-    timestamp is spread over the same gap with the same count (:func:`spread_quantized`),
-    and BurstGPT's failed rows (left out) are not counted."""
+    the rows become is the same as from the whole file (read with the same universal
+    newlines, CSV records counted as the parser counts them, quoted fields included): a
+    Mooncake or BurstGPT trace is read on to the first request of a later timestamp, so the
+    last kept requests' shared timestamp is spread over the same gap with the same count
+    (:func:`spread_quantized`), and the rows the loaders leave out (Azure's 0-token rows,
+    BurstGPT's failed requests) are not counted."""
     lines: list[str] = []
-    rows = 0
-    last_stamp: object = None
-    header: list[str] | None = None  # a CSV format's columns, from its first non-empty line
-    with path.open(encoding="utf-8", newline="") as stream:
-        for line in stream:
-            lines.append(line)
-            if not line.strip():
-                continue
-            if header is None:
-                fmt = detect_format(spec, line) if fmt == "auto" else fmt
-                header = [c.strip() for c in line.split(",")]
-                if fmt != "mooncake":
-                    continue
-            if fmt in ("mooncake", "burstgpt"):
-                stamp = _request_stamp(fmt, header, line)
-                if stamp is _FAILED:
-                    continue
-                rows += 1
-                if rows == requests:
-                    last_stamp = stamp
-                elif rows > requests and (stamp != last_stamp or stamp is None):
-                    break
-            elif not (fmt == "azure" and _azure_generated(header, line) == "0"):
-                rows += 1
-                if rows >= requests:
-                    break
+    with path.open(encoding="utf-8") as stream:
+        feed = _recorded(stream, lines)
+        first = next((line for line in feed if line.strip()), None)
+        if first is None:
+            return "".join(lines), fmt  # empty: the parser says so
+        fmt = detect_format(spec, first) if fmt == "auto" else fmt
+        if fmt == "mooncake":
+            _read_requests(itertools.chain([first], feed), _mooncake_request, requests)
+        else:
+            header = [c.strip() for c in next(csv.reader([first]))]
+            _read_requests(csv.reader(feed), partial(_csv_request, fmt, header), requests)
     return "".join(lines), fmt
 
 
-def _azure_generated(header: list[str], line: str) -> str | None:
-    values = [v.strip() for v in line.split(",")]
-    return dict(zip(header, values, strict=False)).get("GeneratedTokens")
+def _recorded(stream: Iterable[str], lines: list[str]) -> Iterator[str]:
+    for line in stream:
+        lines.append(line)
+        yield line
 
 
-_FAILED = object()  # a BurstGPT row of a failed request: not a request of the trace
+def _read_requests(records: Iterable, request: Callable[[object], tuple[bool, object]],
+                   wanted: int) -> None:
+    """Consume ``records`` until ``wanted`` requests are read and, where requests carry a
+    shared timestamp, the last one's timestamp is over (a record of a later one read).
+    ``request(record)`` tells whether the record is a request and its timestamp (None: no
+    timestamp to keep together)."""
+    count, last = 0, None
+    for record in records:
+        counted, stamp = request(record)
+        if not counted:
+            continue
+        count += 1
+        if count == wanted:
+            last = stamp
+            if stamp is None:
+                return
+        elif count > wanted and stamp != last:
+            return
 
 
-def _request_stamp(fmt: str, header: list[str], line: str) -> object:
-    """A Mooncake or BurstGPT line's raw timestamp (``_FAILED`` for BurstGPT's failed rows;
-    None when the line does not parse: the full parse then names the problem)."""
-    if fmt == "burstgpt":
-        values = [v.strip() for v in line.split(",")]
-        if len(values) != len(header):
-            return None
-        row = dict(zip(header, values, strict=True))
-        if row.get("Response tokens") == "0":
-            return _FAILED
-        try:
-            return float(row.get("Timestamp", ""))
-        except ValueError:
-            return None
+def _mooncake_request(line: object) -> tuple[bool, object]:
+    text = str(line)
+    if not text.strip():
+        return False, None
     try:
-        obj = json.loads(line)
+        obj = json.loads(text)
     except json.JSONDecodeError:
-        return None
-    return obj.get("timestamp") if isinstance(obj, dict) else None
+        return True, _UNREADABLE  # the full parse names the problem
+    stamp = obj.get("timestamp") if isinstance(obj, dict) else None
+    return True, _UNREADABLE if stamp is None else stamp
+
+
+def _csv_request(fmt: str, header: list[str], values: object) -> tuple[bool, object]:
+    """Whether a CSV record is a request the loader keeps, and its timestamp where requests
+    sharing one are spread (BurstGPT)."""
+    if not values:
+        return False, None
+    row = dict(zip(header, (str(v).strip() for v in values), strict=False))  # type: ignore
+    if fmt == "azure":
+        return not _is_zero(row.get("GeneratedTokens")), None
+    if fmt == "burstgpt":
+        if _is_zero(row.get("Response tokens")):
+            return False, None
+        try:
+            return True, float(row.get("Timestamp", ""))
+        except ValueError:
+            return True, _UNREADABLE
+    return True, None
+
+
+_UNREADABLE = object()  # a record the quick read cannot place: never equal to a timestamp
+
+
+def _is_zero(value: str | None) -> bool:
+    try:
+        return value is not None and int(value) == 0
+    except ValueError:
+        return False

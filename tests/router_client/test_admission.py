@@ -91,11 +91,16 @@ def turnover_fleet(c_hat, p_fin=None):
 
 
 def test_turnover_gamma_hand_worked():
-    # G = 2, H = 10: two of four requests end within the window, so 2 admissions in 10
-    # steps over 2 workers: one per worker every 10 steps -> effective horizon 10, gamma 0.9.
+    # G = 2, H = 10: two of four requests end within the window, at 3 and 5: the second
+    # completion, one per worker, comes at 5 steps -> effective horizon 5, gamma 0.8
     fleet = turnover_fleet([3, 10, 10, 5])
-    assert turnover_gamma(fleet, 10) == pytest.approx(0.9)
-    assert turnover_gamma(fleet, 10, scale=0.5) == pytest.approx(0.8)  # 5 steps
+    assert turnover_gamma(fleet, 10) == pytest.approx(0.8)
+    assert turnover_gamma(fleet, 10, scale=0.5) == pytest.approx(0.6)  # 2.5 steps
+    # exactly G ending at once: tau is that step, not G H / n(H) = H
+    assert turnover_gamma(turnover_fleet([1, 1, 10, 10]), 10) == 0.0
+    assert turnover_gamma(turnover_fleet([1, 2, 10, 10]), 10) == pytest.approx(0.5)
+    # one ending within H (fewer than G): the rate over the window carried on, 2 * 10 / 1
+    assert turnover_gamma(turnover_fleet([4, 10, 10, 10]), 10) == pytest.approx(0.9)
     # with p_fin the expected count of endings is its sum (here 0.5 + 0.5 + 0 + 0 = 1):
     # 20 steps, capped at H = 10
     assert turnover_gamma(turnover_fleet([3, 10, 10, 5], [0.5, 0.5, 0, 0]), 10,
@@ -114,6 +119,34 @@ def test_turnover_gamma_hand_worked():
     # 2), so n(t) = 4 t / 4 = t and n = 2 at t = 2 -> gamma 0.5
     law = turnover_fleet([2, 2, 2, 2], [1, 1, 1, 1])
     assert turnover_gamma(law, 10) == pytest.approx(0.5)
+    # mu_rem above H / 2: the end time is uniform on [2 mu - H, H]; mu_rem 8 at H = 10: on
+    # [6, 10], so n(t) = 4 (t - 6) / 4 = t - 6 and n = 2 at t = 8 -> gamma 0.875
+    late = FleetView(law.capacity, law.loads, law.active_counts, law.active_worker,
+                     law.active_size, law.active_c_hat, None, np.ones(4), np.full(4, 8.0))
+    assert turnover_gamma(late, 10) == pytest.approx(0.875)
+    # p_fin without mu_rem: the endings spread evenly over the window, n(t) = sum(p) t / H =
+    # 4 t / 10, so n = 2 at t = 5 -> gamma 0.8
+    flat = FleetView(law.capacity, law.loads, law.active_counts, law.active_worker,
+                     law.active_size, law.active_c_hat, None, np.ones(4), None)
+    assert turnover_gamma(flat, 10) == pytest.approx(0.8)
+
+
+def test_a_round_with_gamma_0_is_routed_as_br0():
+    """Where the next admission to a worker comes within a step (gamma 0), BR-H routes the
+    round exactly as BR-0 (Stage-1 rule included: a short pool goes largest first), and
+    reports gamma 0; with the paper's beta (not alpha G) it keeps its own score."""
+    rng = np.random.default_rng(11)
+    for _ in range(30):
+        fleet = random_fleet(rng, 4, 8)
+        # every active request ends next step: n(1) = all >= G, so tau <= 1 step
+        fleet = FleetView(fleet.capacity, fleet.loads, fleet.active_counts, fleet.active_worker,
+                          fleet.active_size, np.ones(fleet.active_size.shape[0]))
+        pool = random_pool(rng, int(rng.integers(1, 12)))  # short pools and saturated ones
+        brh, stats = route_round(fleet, pool, BalanceRouteParams())
+        assert stats.extra["gamma"] == 0.0
+        assert brh == route_round(fleet, pool, BalanceRouteParams.br0())[0]
+        paper, paper_stats = route_round(fleet, pool, BalanceRouteParams.paper(gamma=None))
+        assert paper_stats.extra["gamma"] == 0.0
 
 
 def test_turnover_discount_is_used_and_reported():

@@ -274,3 +274,29 @@ def test_azure_rows_without_output_are_left_out(tmp_path):
     assert load_trace(str(path), "azure", 2).prompt_tokens.tolist() == [20, 40]
     with pytest.raises(TraceFormatError, match="GeneratedTokens must be >= 0"):
         parse_trace(text + "2024-05-10 00:00:06+00:00,1,-2\n", "azure", "a.csv")
+
+
+@pytest.mark.parametrize("name, text", [
+    ("cr.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\r2023-11-16 18:17:03.97,10,5\r"
+               "2023-11-16 18:17:04.97,11,6\r2023-11-16 18:17:05.97,12,7\r"),
+    ("zero.csv", 'TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,10,"0"\n'
+                 "2023-11-16 18:17:04.97,11,00\n2023-11-16 18:17:05.97,12,7\n"
+                 "2023-11-16 18:17:06.97,13,8\n"),
+    ("quoted.csv", 'arrival_s,prompt_tokens,output_tokens,prompt_key\n0,1,2,"a\nb"\n1,2,3,c\n'
+                   "2,3,4,d\n"),
+    ("burst.csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                  '5,"Chat,GPT",10,3,13,API log\n5,GPT-4,11,0,11,API log\n'
+                  "5,GPT-4,12,4,16,API log\n9,GPT-4,13,5,18,API log\n"),
+])
+def test_first_requests_as_the_parser_counts_them(tmp_path, name, text):
+    """The ``--requests`` read counts what the parser keeps: CR-only line ends, a zero
+    written ``"0"`` or ``00``, a quoted field with a newline or a comma in it."""
+    path = tmp_path / name
+    path.write_bytes(text.encode())
+    whole = parse_trace(path.read_text(encoding="utf-8"), "auto", name)
+    for n in range(1, len(whole) + 2):
+        head, expected = load_trace(str(path), "auto", n), whole.head(n)
+        assert head.prompt_tokens.tolist() == expected.prompt_tokens.tolist()
+        assert head.prompt_keys == expected.prompt_keys
+        if expected.arrival_s is not None:
+            assert head.arrival_s.tolist() == expected.arrival_s.tolist()

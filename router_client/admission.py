@@ -299,8 +299,9 @@ def turnover_gamma(fleet: FleetView, horizon: int, scale: float = 1.0) -> float:
 
 def expected_completions(fleet: FleetView, horizon: int) -> np.ndarray | None:
     """``n(t)`` for t = 1..H: the active requests expected to end within t steps. Under the
-    predictor's law when it gives one (``p_fin``, with the end time uniform given ``mu_rem``
-    as :func:`~router_client.projection.mixture_loads` takes it), else the requests whose
+    predictor's law when it gives one (``p_fin``, with the end time uniform given ``mu_rem``:
+    the law :func:`~router_client.projection.mixture_loads` takes, here exact rather than at
+    its ``end_points`` quantiles), else the requests whose
     ``c_hat`` is at most t (true lengths: exact). None without predictions."""
     t = np.arange(1, horizon + 1, dtype=np.float64)
     p_fin, mu_rem = fleet.active_p_fin, fleet.active_mu_rem

@@ -51,7 +51,7 @@ from . import fastpath
 from .errors import ContractError, ParameterError
 from .fleet import Assignment, FleetView, WaitingRequest
 from .fscore import MarginTable, candidate_rows, discounts
-from .projection import END_POINTS, end_law, mixture_moments, projected_loads
+from .projection import END_POINTS, end_law, end_window, mixture_moments, projected_loads
 from .subset import SubsetChoice, best_subset
 
 Stage1Rule = Literal["auto", "paper", "best-pair", "lpt", "auto-pair"]
@@ -309,9 +309,8 @@ def expected_completions(fleet: FleetView, horizon: int) -> np.ndarray | None:
         return float(np.clip(p_fin, 0.0, 1.0).sum()) * t / horizon
     if p_fin is not None and mu_rem is not None:
         p, mu = end_law(p_fin, mu_rem, horizon)
-        low = np.where(mu <= horizon / 2, 0.0, 2.0 * mu - horizon)
-        width = np.where(mu <= horizon / 2, 2.0 * mu, float(horizon)) - low
-        return _uniform_ends(t, p, low, width)
+        low, high = end_window(mu, horizon)
+        return _uniform_ends(t, p, low, high - low)
     if fleet.active_c_hat is None:
         return None
     ends = np.sort(np.asarray(fleet.active_c_hat, dtype=np.float64))

@@ -154,11 +154,18 @@ def end_law(p_fin: np.ndarray, mu_rem: np.ndarray, horizon: int) -> tuple[np.nda
     return p, mu
 
 
+def end_window(mu: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where the uniform end-time law with mean ``mu`` lies (see :func:`mixture_loads`):
+    ``[0, 2 mu]`` when ``mu <= H/2``, ``[2 mu - H, H]`` otherwise; (low, high)."""
+    low = np.where(mu <= horizon / 2, 0.0, 2.0 * mu - horizon)
+    high = np.where(mu <= horizon / 2, 2.0 * mu, float(horizon))
+    return low, high
+
+
 def _end_times(mu: np.ndarray, horizon: int, end_points: int) -> np.ndarray:
     """The ``end_points`` quantile midpoints of the uniform end-time law with mean ``mu``
     (see :func:`mixture_loads`), each below H: shape ``(n, end_points)``, ascending."""
-    low = np.where(mu <= horizon / 2, 0.0, 2.0 * mu - horizon)
-    high = np.where(mu <= horizon / 2, 2.0 * mu, float(horizon))
+    low, high = end_window(mu, horizon)
     quantiles = (np.arange(end_points) + 0.5) / end_points
     return np.minimum(low[:, None] + (high - low)[:, None] * quantiles[None, :],
                       horizon - 1e-9)

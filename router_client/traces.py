@@ -150,6 +150,17 @@ def _int_field(source: str, line: int, name: str, raw: object, minimum: int) -> 
     return value
 
 
+def _seconds_field(source: str, line: int, name: str, raw: str) -> float:
+    """A time in seconds: a finite number >= 0."""
+    try:
+        value = float(raw)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError
+    except ValueError:
+        raise TraceFormatError(source, line, f"{name} must be a number >= 0, got {raw!r}") from None
+    return value
+
+
 def _build(
     name: str,
     prompts: list[int],
@@ -333,14 +344,7 @@ def load_burstgpt(source: str, text: str) -> Trace:
         row = _row(source, line, header, values)
         output = _int_field(source, line, "Response tokens", row["Response tokens"], 0)
         prompt = _int_field(source, line, "Request tokens", row["Request tokens"], 0)
-        try:
-            stamp = float(row["Timestamp"])
-            if not math.isfinite(stamp) or stamp < 0:
-                raise ValueError
-        except ValueError:
-            raise TraceFormatError(
-                source, line, f"Timestamp must be a number >= 0, got {row['Timestamp']!r}"
-            ) from None
+        stamp = _seconds_field(source, line, "Timestamp", row["Timestamp"])
         if stamps and stamp < stamps[-1]:
             raise TraceFormatError(source, line, "arrival times go backwards")
         if output == 0:
@@ -363,15 +367,7 @@ def load_generic_csv(source: str, text: str) -> Trace:
         if not values:
             continue
         row = _row(source, line, header, values)
-        try:
-            arrival = float(row["arrival_s"])
-            if not math.isfinite(arrival) or arrival < 0:
-                raise ValueError
-        except ValueError:
-            raise TraceFormatError(
-                source, line, f"arrival_s must be a number >= 0, got {row['arrival_s']!r}"
-            ) from None
-        arrivals.append(arrival)
+        arrivals.append(_seconds_field(source, line, "arrival_s", row["arrival_s"]))
         prompts.append(_int_field(source, line, "prompt_tokens", row["prompt_tokens"], 0))
         outputs.append(_int_field(source, line, "output_tokens", row["output_tokens"], 1))
         keys.append(row.get("prompt_key") or None)

@@ -30,6 +30,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from time import perf_counter
 
 import numpy as np
@@ -70,8 +71,9 @@ class RankMaskPolicy:
         if not all(self.up):
             up = np.asarray(self.up, dtype=bool)
             counts = np.where(up, fleet.active_counts, fleet.capacity)
-            fleet = FleetView(fleet.capacity, fleet.loads, counts, fleet.active_worker,
-                              fleet.active_size, fleet.active_c_hat)
+            # a down rank looks full; everything else of the view (the predictor's law, the
+            # pool's c_hat, the arrival rate) is kept
+            fleet = replace(fleet, active_counts=counts)
         if not (fleet.free_slots > 0).any():
             self.last = Decision([])
             return self.last

@@ -82,6 +82,10 @@ class BalanceRouteParams:
             (:func:`turnover_gamma`).
         turnover_scale: with ``gamma=None``, the effective horizon ``1 / (1 - gamma)`` is this
             many times the steps between two admissions to one worker.
+        turnover_arrivals: with ``gamma=None`` and a measured ``FleetView.arrival_rate``,
+            admissions come at least as fast as the arrivals the free slots can take (a fleet
+            filling up), not only as fast as completions free slots; False: completions alone
+            (the rule before 2026-12-01), see :func:`turnover_gamma`.
         r_max: Stage-2 candidates per worker (the first ``r_max`` of the pool); ``None``
             (default): the first ``min(4G, 64)`` (the peer's whole 4G window, capped for
             the router's time budget; measured, see the README), for BR-H too: with the
@@ -123,6 +127,7 @@ class BalanceRouteParams:
     beta: float | None = None
     gamma: float | None = None
     turnover_scale: float = 1.0
+    turnover_arrivals: bool = True
     r_max: int | None = None
     s_greedy: int = 7
     stage1_candidates: int = 1024
@@ -267,7 +272,8 @@ def gamma_value(gamma: object) -> float | None:
     return float(gamma)  # type: ignore[arg-type]
 
 
-def turnover_gamma(fleet: FleetView, horizon: int, scale: float = 1.0) -> float:
+def turnover_gamma(fleet: FleetView, horizon: int, scale: float = 1.0,
+                   pool: int | None = None) -> float:
     """The discount whose effective horizon ``1 / (1 - gamma)`` is ``scale`` times the steps
     between two admissions to one worker, clipped to [1, H] steps (1: gamma 0, no look
     ahead at all).
@@ -280,11 +286,18 @@ def turnover_gamma(fleet: FleetView, horizon: int, scale: float = 1.0) -> float:
     are expected within the window, ``G * H / n(H)``, the rate seen over the window carried
     on. (``G * H / n(H)`` alone, the rule before, undercounts where outputs are short against
     H: a slot then turns over several times within the window, and ``n(H)`` counts it once.)
+
+    A fleet filling up (arrivals outpacing completions: a cold start, a sustained rise) admits
+    faster than its completions free slots. Given the round's ``pool`` (waiting requests) and
+    a measured ``fleet.arrival_rate`` (lambda per step), the admissions expected within t steps
+    after this round are at least ``min(F + n(t), P + lambda t)``, F the free slots and P the
+    waiting requests this round leaves; ``n(t)`` is replaced by the larger of the two (never a
+    longer lookahead than the completions give; :func:`expected_admissions`).
     """
     workers = fleet.workers
     if horizon < 1:
         return 0.0
-    completions = expected_completions(fleet, horizon)
+    completions = expected_admissions(fleet, horizon, pool)
     if completions is None or completions[-1] <= 0:
         steps = float("inf")
     elif completions[-1] < workers:
@@ -295,6 +308,24 @@ def turnover_gamma(fleet: FleetView, horizon: int, scale: float = 1.0) -> float:
         steps = k + (workers - before) / max(float(completions[k]) - before, 1e-12)
     effective = min(max(scale * steps, 1.0), float(max(horizon, 1)))
     return 1.0 - 1.0 / effective
+
+
+def expected_admissions(fleet: FleetView, horizon: int, pool: int | None = None
+                        ) -> np.ndarray | None:
+    """The admissions expected within t = 1..H steps after this round, as
+    :func:`turnover_gamma` counts them: ``n(t)`` (:func:`expected_completions`), raised to
+    ``min(F + n(t), P + lambda t)`` where arrivals at ``fleet.arrival_rate`` (lambda) would fill
+    free slots faster; ``pool``: the waiting requests this round sees (None: completions
+    alone)."""
+    completions = expected_completions(fleet, horizon)
+    rate = fleet.arrival_rate
+    if completions is None or pool is None or rate is None:
+        return completions
+    free = int(fleet.free_slots.sum())
+    free_after, waiting_after = max(free - pool, 0), max(pool - free, 0)
+    t = np.arange(1, horizon + 1, dtype=np.float64)
+    fed = np.minimum(free_after + completions, waiting_after + rate * t)
+    return np.maximum(completions, fed)
 
 
 def expected_completions(fleet: FleetView, horizon: int) -> np.ndarray | None:
@@ -360,7 +391,8 @@ def route_round(
         return [], stats
     gamma = params.gamma
     if params.horizon > 0 and gamma is None and fleet.active_c_hat is not None:
-        gamma = turnover_gamma(fleet, params.horizon, params.turnover_scale)
+        gamma = turnover_gamma(fleet, params.horizon, params.turnover_scale,
+                               len(pool) if params.turnover_arrivals else None)
         if gamma <= 0.0:
             stats.extra["gamma"] = 0.0
             if params.effective_beta(fleet.workers) == params.alpha * fleet.workers:

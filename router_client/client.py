@@ -21,6 +21,7 @@ import numpy as np
 from .admission import BalanceRouteParams, gamma_value
 from .errors import ParameterError
 from .fallback import FallbackController, RouterMetrics
+from .fleet import ArrivalRate
 from .policies import Policy, make_policy
 from .prediction import PredictionCache
 from .predictors import ActiveBatch, FinishedBatch, Predictor
@@ -79,6 +80,8 @@ class RouterClient:
             predictor, horizon, config.refresh_steps,
             FallbackController(config.healthy_to_return, metrics))
         self.steps = 0
+        self.arrivals = ArrivalRate()  # requests entering the pool per step (BR-H's turnover)
+        self._arrived = 0
 
     @property
     def controller(self) -> FallbackController:
@@ -95,7 +98,9 @@ class RouterClient:
     # -- events from the proxy ------------------------------------------------------------
     def on_prefilled(self, request_id: str, prompt_tokens: int, now: float,
                      prompt_key: str | None = None) -> bool:
-        return self.fleet.enqueue(request_id, prompt_tokens, now, prompt_key)
+        accepted = self.fleet.enqueue(request_id, prompt_tokens, now, prompt_key)
+        self._arrived += int(accepted)
+        return accepted
 
     def on_cancel(self, request_id: str, now: float) -> None:
         self.fleet.cancel(request_id, now)
@@ -115,9 +120,12 @@ class RouterClient:
         if self.predictions.due(step):
             self._refresh(step)
         self.fleet.reap(now)
+        self.arrivals.add(self._arrived)
+        self._arrived = 0
         dispatches: list[tuple[str, int]] = []
         if self.fleet.pool:
             view, pool = self.fleet.view()
+            view = replace(view, arrival_rate=self.arrivals.rate)
             if self.policy.needs_predictions:
                 view = self.predictions.annotate(view, list(self.fleet.active),
                                                  [r.request_id for r in pool], step)

@@ -65,6 +65,7 @@ class FleetView:
     pool_c_hat: np.ndarray | None = None
     active_p_fin: np.ndarray | None = None
     active_mu_rem: np.ndarray | None = None
+    arrival_rate: float | None = None
 
     @property
     def workers(self) -> int:
@@ -89,3 +90,29 @@ class FleetView:
         loads = np.bincount(active_worker, weights=active_size, minlength=workers)
         counts = np.bincount(active_worker, minlength=workers).astype(np.int64)
         return cls(capacity, loads, counts, active_worker, active_size, active_c_hat)
+
+
+class ArrivalRate:
+    """Requests entering the waiting pool per step: an exponentially weighted average over
+    about ``memory`` steps, normalised by the weight seen so far (so it is the plain mean
+    of the steps seen while fewer than that have passed, and not biased toward 0 at start).
+
+    Call :meth:`add` once per step with that step's arrivals (``steps`` > 1 for a stretch of
+    steps that all had this many in total, such as an idle stretch with none)."""
+
+    def __init__(self, memory: float = 50.0) -> None:
+        if not memory >= 1:
+            raise ValueError("memory must be >= 1 step")
+        self.decay = 1.0 - 1.0 / memory
+        self._sum = 0.0
+        self._weight = 0.0
+
+    def add(self, arrivals: int, steps: int = 1) -> None:
+        fade = self.decay ** steps
+        self._sum = fade * self._sum + arrivals
+        self._weight = fade * self._weight + (1.0 - fade) / (1.0 - self.decay)
+
+    @property
+    def rate(self) -> float | None:
+        """Arrivals per step, or ``None`` before the first step."""
+        return self._sum / self._weight if self._weight > 0 else None

@@ -27,14 +27,14 @@ Determinism: everything random comes from ``seed``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from time import perf_counter
 
 import numpy as np
 
 from .errors import ContractError, ParameterError
 from .fallback import FallbackController, Switch
-from .fleet import Assignment, FleetView, WaitingRequest
+from .fleet import ArrivalRate, Assignment, FleetView, WaitingRequest
 from .policies import Policy
 from .prediction import PredictionCache
 from .predictors import ActiveBatch, FinishedBatch, Predictor
@@ -308,6 +308,7 @@ class Simulation:
         self.assigned = np.zeros(len(trace), dtype=bool)
         self.next_request = 0
         self.step = 0
+        self.arrivals_seen = ArrivalRate()  # requests entering the pool per step
         self._next_report = 0.0
 
     def run(self) -> SimResult:
@@ -345,7 +346,11 @@ class Simulation:
         return True
 
     def _arrive(self) -> None:
-        n, step = len(self.trace), self.step
+        n, step, before = len(self.trace), self.step, self.next_request
+        self._enter(n, step)
+        self.arrivals_seen.add(self.next_request - before)
+
+    def _enter(self, n: int, step: int) -> None:
         if self.arrivals is None:
             limit = BACKLOG_DEPTH_PER_WORKER * self.config.workers
             while len(self.pool) < limit and self.next_request < n:
@@ -377,7 +382,7 @@ class Simulation:
 
     def _route(self) -> None:
         visible = self.pool[: self.config.pool_window]
-        view = self.engine.view()
+        view = replace(self.engine.view(), arrival_rate=self.arrivals_seen.rate)
         if self.policy.needs_predictions:
             view = self.cache.annotate(view, self.engine.request[self.engine.active].tolist(),
                                        [r.request_id for r in visible], self.step)
@@ -426,6 +431,8 @@ class Simulation:
         idle = target - self.step
         self.metrics.record(idle, None, 0, self.step)
         self.engine.idle(idle)
+        if idle > 1:  # the steps skipped, none with an arrival (this step's was counted)
+            self.arrivals_seen.add(0, idle - 1)
         self.step = target
 
     def _decode(self, active: np.ndarray) -> None:

@@ -43,7 +43,9 @@ class Compared:
         decision = self.brh.route(fleet, pool)
         self.rounds += 1
         if decision.assignments != route_round(fleet, pool, self.br0)[0]:
-            gamma = turnover_gamma(fleet, self.brh.params.horizon, self.brh.params.turnover_scale)
+            params = self.brh.params
+            gamma = turnover_gamma(fleet, params.horizon, params.turnover_scale,
+                                   len(pool) if params.turnover_arrivals else None)
             short = len(pool) <= int(fleet.free_slots.sum())
             self.differ[(round(gamma, 1), short)] += 1
             self.where.append(self.rounds)

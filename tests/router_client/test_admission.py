@@ -13,7 +13,7 @@ from router_client.admission import (
     turnover_gamma,
 )
 from router_client.errors import ParameterError, UnknownPolicyError
-from router_client.fleet import FleetView, WaitingRequest
+from router_client.fleet import ArrivalRate, FleetView, WaitingRequest
 from router_client.policies import BalanceRoutePolicy, make_policy
 
 ALL = ["random", "rr", "jsq", "p2c", "ltl", "br0", "brh-oracle"]
@@ -129,6 +129,58 @@ def test_turnover_gamma_hand_worked():
     flat = FleetView(law.capacity, law.loads, law.active_counts, law.active_worker,
                      law.active_size, law.active_c_hat, None, np.ones(4), None)
     assert turnover_gamma(flat, 10) == pytest.approx(0.8)
+
+
+def test_turnover_gamma_of_a_fleet_filling_up():
+    """G = 2, H = 10, capacity 8 per worker, four active requests, none ending within the
+    window: by completions alone the next admission is past H (gamma 0.9). With arrivals
+    measured at lambda per step and free slots left after the round, admissions come as
+    fast as arrivals fill them: min(F + n(t), P + lambda t)."""
+    fleet = turnover_fleet([10, 10, 10, 10])  # 12 free slots
+    assert turnover_gamma(fleet, 10, pool=1) == pytest.approx(0.9)  # no rate measured
+    # lambda 0.5: one waiting now (admitted this round, 11 slots left), then 0.5 t, so two
+    # admissions (one per worker) by t = 4 -> gamma 0.75
+    filling = replace(fleet, arrival_rate=0.5)
+    assert turnover_gamma(filling, 10, pool=1) == pytest.approx(0.75)
+    # lambda 4: two by t = 0.5, floored at 1 step -> gamma 0 (routed as BR-0)
+    assert turnover_gamma(replace(fleet, arrival_rate=4.0), 10, pool=1) == 0.0
+    # no pool given: completions alone, as before
+    assert turnover_gamma(filling, 10) == pytest.approx(0.9)
+    # saturated (the pool fills every free slot): admissions wait on completions, whatever
+    # the arrivals
+    assert turnover_gamma(replace(fleet, arrival_rate=4.0), 10, pool=20) == pytest.approx(0.9)
+    # never a longer lookahead than completions give: ends at 1, 2, 3, 4 (G = 2 ended by
+    # t = 2, gamma 0.5) with arrivals at 0.1 per step
+    ending = replace(turnover_fleet([1, 2, 3, 4]), arrival_rate=0.1)
+    assert turnover_gamma(ending, 10, pool=1) == pytest.approx(0.5)
+
+
+def test_a_filling_fleet_is_routed_as_br0_where_arrivals_come_every_step():
+    """BR-H's round reads the arrival rate only under ``turnover_arrivals`` (default)."""
+    rng = np.random.default_rng(12)
+    fleet = replace(turnover_fleet([10, 10, 10, 10]), arrival_rate=8.0)
+    for _ in range(20):
+        pool = random_pool(rng, int(rng.integers(1, 8)))
+        brh, stats = route_round(fleet, pool, BalanceRouteParams(horizon=10))
+        assert stats.extra["gamma"] == 0.0
+        assert brh == route_round(fleet, pool, BalanceRouteParams.br0())[0]
+        _, before = route_round(fleet, pool, BalanceRouteParams(horizon=10,
+                                                                turnover_arrivals=False))
+        assert before.extra["gamma"] == pytest.approx(0.9)
+
+
+def test_arrival_rate_is_the_mean_of_the_steps_seen_weighted_toward_recent():
+    rate = ArrivalRate(memory=2.0)  # decay 0.5
+    assert rate.rate is None
+    rate.add(4)
+    assert rate.rate == 4.0  # one step seen: its count, not biased toward 0
+    rate.add(0)
+    assert rate.rate == pytest.approx((0.5 * 4 + 0) / (0.5 + 1))
+    rate.add(0, steps=3)  # an idle stretch: three steps with none
+    weight = 0.5 ** 3 * 1.5 + (1 + 0.5 + 0.25)
+    assert rate.rate == pytest.approx(0.5 ** 3 * 2.0 / weight)
+    with pytest.raises(ValueError):
+        ArrivalRate(memory=0.5)
 
 
 def test_a_round_with_gamma_0_is_routed_as_br0():

@@ -4,6 +4,7 @@ import json
 
 import httpx
 import numpy as np
+import pytest
 
 from predictor.livesrv import live_server
 from router_client.admission import BalanceRouteParams
@@ -116,3 +117,30 @@ def test_fallback_controller_does_not_flap_and_counts_switches():
     assert 'balanceroute_router_fallback_switches_total{reason="unavailable",to="br0"} 1.0' \
         in text
     assert 'balanceroute_router_refresh_failures_total{reason="unavailable"} 2.0' in text
+
+
+class SeenViews:
+    """A BR-0 policy that keeps the arrival rate of every view it is given."""
+
+    name, needs_predictions = "br0", False
+
+    def __init__(self):
+        self.inner = make_policy("br0")
+        self.rates = []
+
+    def route(self, fleet, pool):
+        self.rates.append(fleet.arrival_rate)
+        return self.inner.route(fleet, pool)
+
+
+def test_router_client_measures_the_arrival_rate_it_routes_with():
+    """Requests accepted into the pool per tick, averaged (the turnover discount reads it):
+    3 in the first tick, none in the second -> 3, then (0.98 * 3 + 0) / (0.98 + 1)."""
+    seen = SeenViews()
+    client = RouterClient(RouterConfig(workers=2, capacity=1), policy=seen)
+    for name in ("a", "b", "c"):
+        assert client.on_prefilled(name, 100, now=0.0)
+    assert not client.on_prefilled("a", 100, now=0.0)  # a repeat is not an arrival
+    client.tick(0.0)  # two admitted, one left waiting (capacity 1 per worker)
+    client.tick(0.1)
+    assert seen.rates == [3.0, pytest.approx(0.98 * 3 / 1.98)]

@@ -170,6 +170,7 @@ TABLE_COLUMNS = [
     ("max-min", "imbalance_maxmin_mean", "{:>9.0f}"),
     ("x jsq", "imbalance_vs_jsq", "{:>6.3f}"),
     ("I(k)", "imbalance_total_mean", "{:>9.0f}"),
+    ("I(k) end", "imbalance_total_after_step_mean", "{:>9.0f}"),
     ("idle", "barrier_idle_fraction", "{:>6.2%}"),
     ("TPOT p95", "tpot_p95_ms", "{:>8.1f}"),
     ("TTFT p95", "ttft_p95_ms", "{:>9.0f}"),

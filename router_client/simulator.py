@@ -213,6 +213,9 @@ class MetricsCollector:
         self.total: list[float] = []
         self.tokens: list[int] = []
         self.steps: list[int] = []
+        # G max L - sum L once a step's finished requests have left, before the next round
+        # admits: where BF-IO's simulator measures its imbalance (0 for an idle stretch)
+        self.after_step: list[float] = []
         self.trajectory: list[np.ndarray] = []
         self.enter_step = np.full(n, -1, dtype=np.int64)
         self.enter_clock = np.zeros(n)
@@ -234,6 +237,7 @@ class MetricsCollector:
         self.total.append(float(loads.sum()) if loads is not None else 0.0)
         self.tokens.append(tokens)
         self.steps.append(step)
+        self.after_step.append(0.0)
 
     def row(self, name: str, config: SimConfig, outputs: np.ndarray, clock: float,
             final_step: int) -> dict[str, float | int | str | None]:
@@ -257,6 +261,8 @@ class MetricsCollector:
             "completed": self.completed,
             "imbalance_maxmin_mean": _mean(w, (top - low)[window], steps_in_window),
             "imbalance_total_mean": _mean(w, (G * top - total)[window], steps_in_window),
+            "imbalance_total_after_step_mean": _mean(
+                w, np.asarray(self.after_step)[window], steps_in_window),
             "barrier_idle_fraction": idle / denominator if denominator else 0.0,
             "throughput_tok_s": tokens_window / busy_time if busy_time else 0.0,
             "balanced_bound_tok_s": tokens_window / balanced_time if busy_time else 0.0,
@@ -442,6 +448,8 @@ class Simulation:
         if self.config.record_trajectory:
             m.trajectory.append(loads.astype(np.float32))
         first, finished = engine.decode(active, float(loads.max()))
+        after = engine.loads(engine.active)
+        m.after_step[-1] = float(after.size * after.max() - after.sum())
         m.first_token_clock[first] = engine.clock
         if finished.size:
             m.finish_clock[finished] = engine.clock

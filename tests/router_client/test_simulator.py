@@ -29,6 +29,8 @@ def test_tiny_scenario_by_hand():
     assert row["routing_steps"] == 1 and row["drain_steps"] == 2
     assert row["imbalance_maxmin_mean"] == 0.0
     assert row["imbalance_total_mean"] == 0.0
+    # where BF-IO measures it, once step 0's finished request (r1) has left: [11, 7]
+    assert row["imbalance_total_after_step_mean"] == 4.0  # 2 * 11 - 18
     assert row["throughput_tok_s"] == pytest.approx(3 / 10.5)
     assert row["balanced_bound_tok_s"] == pytest.approx(3 / 10.5)
     assert row["makespan_s"] == pytest.approx(10.5 + 11.5 + 8.5)
@@ -46,6 +48,7 @@ def test_imbalance_and_idle_by_hand():
                    SimConfig(workers=2, batch=1, load=1.0, step_cost=(1.0, 0.0))).row
     assert row["imbalance_maxmin_mean"] == 6.0
     assert row["imbalance_total_mean"] == 6.0  # G*M - sum = 20 - 14
+    assert row["imbalance_total_after_step_mean"] == 0.0  # both have left after the step
     assert row["barrier_idle_fraction"] == pytest.approx(6 / 20)
     assert row["throughput_tok_s"] == pytest.approx(2 / 10)
     assert row["balanced_bound_tok_s"] == pytest.approx(2 / 7)

@@ -297,15 +297,15 @@ def turnover_gamma(fleet: FleetView, horizon: int, scale: float = 1.0,
     workers = fleet.workers
     if horizon < 1:
         return 0.0
-    completions = expected_admissions(fleet, horizon, pool)
-    if completions is None or completions[-1] <= 0:
+    admissions = expected_admissions(fleet, horizon, pool)
+    if admissions is None or admissions[-1] <= 0:
         steps = float("inf")
-    elif completions[-1] < workers:
-        steps = workers * horizon / float(completions[-1])
+    elif admissions[-1] < workers:
+        steps = workers * horizon / float(admissions[-1])
     else:
-        k = int(np.searchsorted(completions, workers))  # the first t = k + 1 with n >= G
-        before = float(completions[k - 1]) if k > 0 else 0.0
-        steps = k + (workers - before) / max(float(completions[k]) - before, 1e-12)
+        k = int(np.searchsorted(admissions, workers))  # the first t = k + 1 with n >= G
+        before = float(admissions[k - 1]) if k > 0 else 0.0
+        steps = k + (workers - before) / max(float(admissions[k]) - before, 1e-12)
     effective = min(max(scale * steps, 1.0), float(max(horizon, 1)))
     return 1.0 - 1.0 / effective
 

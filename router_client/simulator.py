@@ -353,10 +353,6 @@ class Simulation:
 
     def _arrive(self) -> None:
         n, step, before = len(self.trace), self.step, self.next_request
-        self._enter(n, step)
-        self.arrivals_seen.add(self.next_request - before)
-
-    def _enter(self, n: int, step: int) -> None:
         if self.arrivals is None:
             limit = BACKLOG_DEPTH_PER_WORKER * self.config.workers
             while len(self.pool) < limit and self.next_request < n:
@@ -364,6 +360,7 @@ class Simulation:
         else:
             while self.next_request < n and self.arrivals[self.next_request] <= step:
                 self._enqueue(self.next_request)
+        self.arrivals_seen.add(self.next_request - before)
 
     def _enqueue(self, request: int) -> None:
         self.pool.append(WaitingRequest(request, int(self.prompts[request]), self.step,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from router_client.admission import route_round, turnover_gamma  # noqa: E402
+from router_client.admission import route_round  # noqa: E402
 from router_client.policies import Decision, make_policy  # noqa: E402
 from router_client.predictors import OraclePredictor  # noqa: E402
 from router_client.simulator import SimConfig, simulate  # noqa: E402
@@ -43,9 +43,7 @@ class Compared:
         decision = self.brh.route(fleet, pool)
         self.rounds += 1
         if decision.assignments != route_round(fleet, pool, self.br0)[0]:
-            params = self.brh.params
-            gamma = turnover_gamma(fleet, params.horizon, params.turnover_scale,
-                                   len(pool) if params.turnover_arrivals else None)
+            gamma = decision.stats.extra["gamma"]  # the discount the round used
             short = len(pool) <= int(fleet.free_slots.sum())
             self.differ[(round(gamma, 1), short)] += 1
             self.where.append(self.rounds)

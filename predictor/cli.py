@@ -13,7 +13,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from proxy.cli import add_commands as add_serving_commands
-from router_client.admission import STAGE1_RULES, BalanceRouteParams
+from router_client.admission import SHORT_POOL_RULES, STAGE1_RULES, BalanceRouteParams
 from router_client.errors import BalanceRouteError, ParameterError
 from router_client.predictors import Predictor
 from router_client.projection import END_POINTS
@@ -159,14 +159,19 @@ def _add_ab(sub) -> None:
                     help="BR-H with a learned predictor places a short pool (every waiting "
                     "request admitted this round) by its lookahead; default: as BR-0 places it "
                     "(with true lengths the lookahead places it either way)")
+    ab.add_argument("--short-pool", default="lpt", choices=list(SHORT_POOL_RULES),
+                    help="how BR-H's lookahead places a short pool under --stage1 auto: lpt "
+                    "(default: largest first, onto the open worker where its F is highest), "
+                    "lpt-load (largest first onto the least-loaded, as BR-0), best-pair (the "
+                    "best (worker, request) pair by F, the rule before 2026-12-01)")
     ab.add_argument("--rmax", type=int, default=None,
                     help="Stage-2 candidates per worker (default min(4G, 64), BR-0 and BR-H)")
     ab.add_argument("--s-greedy", type=int, default=7,
                     help="Stage 1 runs while more slots than this are free (default 7)")
     ab.add_argument("--stage1", default="auto", choices=list(STAGE1_RULES),
                     help="BR Stage-1 rule: auto (default: while the pool is short, BR-0 admits "
-                    "largest first onto the least-loaded open worker (lpt) and BR-H takes the "
-                    "best (worker, request) pair; the paper's most-free-slots rule at "
+                    "largest first onto the least-loaded open worker (lpt) and BR-H places it by "
+                    "--short-pool; the paper's most-free-slots rule at "
                     "saturation), paper, best-pair, lpt, auto-pair (best pair on a short pool)")
     ab.add_argument("--out", type=Path, default=None, help="directory for CSV and PNG plots")
     ab.add_argument("--json", type=Path, default=None, help="write the result rows here")
@@ -309,7 +314,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   candidate_life=args.candidate_life, refill=args.refill,
                                   end_points=args.end_points,
                                   expected_overflow=args.expected_overflow,
-                                  learned_short_pool=args.learned_short_pool),
+                                  learned_short_pool=args.learned_short_pool,
+                                  short_pool=args.short_pool),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

@@ -17,10 +17,11 @@ Stage 1, while the free slots ``S_tot`` exceed ``s_greedy``, admits one request 
     worker where its F (which looks ahead) is highest (ties: lower load, lower index); for
     BR-0 that is the least-loaded one.
   - ``stage1="auto-pair"``: ``best-pair`` while the pool is short, the paper's rule otherwise.
-  - ``stage1="auto"`` (default): :data:`AUTO_SHORT_POOL` while the pool is short (BR-H keeps
-    ``best-pair`` there with true lengths: lpt with its F measured no better, see the README;
-    with a learned predictor's law it places a short pool as BR-0 does unless
-    ``learned_short_pool``), the paper's rule otherwise.
+  - ``stage1="auto"`` (default): :data:`AUTO_SHORT_POOL` while the pool is short, the paper's
+    rule otherwise. BR-H places a short pool by ``short_pool`` with true lengths (default
+    ``lpt``: the largest first, onto the open worker where its F is highest; ``best-pair``
+    was the rule before 2026-12-01, see the README), and as BR-0 does with a learned
+    predictor's law unless ``learned_short_pool``.
 Stage 2, when ``S_tot <= s_greedy``: workers with free slots are taken in order of free slots,
 then margin (most first); each takes the subset of the first ``r_max`` waiting requests, of
 size at most its free slots, that maximizes F (:mod:`router_client.subset`).
@@ -56,6 +57,8 @@ from .subset import SubsetChoice, best_subset
 
 Stage1Rule = Literal["auto", "paper", "best-pair", "lpt", "auto-pair"]
 STAGE1_RULES: tuple[str, ...] = get_args(Stage1Rule)
+ShortPoolRule = Literal["lpt", "lpt-load", "best-pair"]
+SHORT_POOL_RULES: tuple[str, ...] = get_args(ShortPoolRule)
 AUTO_SHORT_POOL: Literal["lpt", "best-pair"] = "lpt"  # BR-0's short-pool rule in auto (README)
 MAX_ENUMERATED_SUBSETS = 4096  # Stage 2 with candidate rows: enumerate up to this many subsets
 _PROMPT_TOKENS = attrgetter("prompt_tokens")
@@ -120,6 +123,14 @@ class BalanceRouteParams:
             least-loaded open worker), with true lengths by lookahead. Every request of a
             short pool is admitted this round; only where is decided, and learned lookahead
             placed worse than BR-0 below saturation (see the README).
+        short_pool: under ``stage1="auto"``, how BR-H places a short pool by its lookahead
+            (true lengths, or a learned law with ``learned_short_pool``): ``lpt`` (default)
+            the largest waiting request first (ties: the earliest) onto the open worker
+            where its F is highest (ties: lower load, lower index); ``lpt-load`` the largest
+            first onto the least-loaded open worker (BR-0's placement); ``best-pair`` the
+            (worker, request) pair with the highest F, the rule before 2026-12-01, which
+            places the requests that fit first and the large ones last (shortest-first list
+            scheduling: it lost to BR-0 below saturation, see the README).
     """
 
     horizon: int = 80
@@ -138,6 +149,7 @@ class BalanceRouteParams:
     end_points: int = END_POINTS
     expected_overflow: bool = True
     learned_short_pool: bool = False
+    short_pool: ShortPoolRule = "lpt"
 
     def __post_init__(self) -> None:
         if self.horizon < 0:
@@ -162,6 +174,8 @@ class BalanceRouteParams:
             raise ParameterError("stage1_candidates", "must be >= 1")
         if self.stage1 not in STAGE1_RULES:
             raise ParameterError("stage1", f"must be one of {', '.join(STAGE1_RULES)}")
+        if self.short_pool not in SHORT_POOL_RULES:
+            raise ParameterError("short_pool", f"must be one of {', '.join(SHORT_POOL_RULES)}")
         if not self.lpt_count_weight >= 0:
             raise ParameterError("lpt_count_weight", "must be >= 0")
 
@@ -188,18 +202,25 @@ class BalanceRouteParams:
         return float(self.beta)
 
     def stage1_rule(self, short_pool: bool, learned: bool = False
-                    ) -> tuple[Literal["paper", "best-pair", "lpt"], bool]:
+                    ) -> tuple[Literal["paper", "best-pair", "lpt", "lpt-f"], bool]:
         """The Stage-1 rule of a round, and whether it runs until every slot is used (a short
         pool under ``auto``, ``auto-pair`` or ``lpt``) instead of down to ``s_greedy``.
-        ``learned``: the round's projected loads carry a learned law's spread; BR-H under
-        ``auto`` then places a short pool as BR-0 does (``lpt``) unless
-        ``learned_short_pool``."""
+        ``lpt`` places the largest first onto the least-loaded open worker, ``lpt-f`` onto
+        the open worker where BR-H's F is highest. ``learned``: the round's projected loads
+        carry a learned law's spread; BR-H under ``auto`` then places a short pool as BR-0
+        does (``lpt``) unless ``learned_short_pool``, else by ``short_pool``."""
         if self.stage1 == "paper" or self.stage1 == "best-pair":
             return self.stage1, False
         if not short_pool:
             return "paper", False
         if self.stage1 == "auto" and self.horizon > 0:
-            return ("lpt" if learned and not self.learned_short_pool else "best-pair"), True
+            if learned and not self.learned_short_pool:
+                return "lpt", True
+            rules: dict[str, Literal["best-pair", "lpt", "lpt-f"]] = {
+                "lpt": "lpt-f", "lpt-load": "lpt", "best-pair": "best-pair"}
+            return rules[self.short_pool], True
+        if self.stage1 == "lpt" and self.horizon > 0:
+            return "lpt-f", True
         if self.stage1 == "auto-pair":
             return "best-pair", True
         if self.stage1 == "lpt":
@@ -533,8 +554,8 @@ class _Round:
 
     def stage1(self) -> None:
         params, rule, threshold = self.params, self.rule, self.threshold
-        if rule == "lpt":
-            self.stage1_lpt()
+        if rule == "lpt" or rule == "lpt-f":
+            self.stage1_lpt(by_score=rule == "lpt-f")
             return
         if rule == "best-pair":
             while self.waiting and self.total_free > threshold:
@@ -552,14 +573,13 @@ class _Round:
             self.admit(worker, self.waiting.pop(pos))
             self.stats.stage1_admissions += 1
 
-    def stage1_lpt(self) -> None:
+    def stage1_lpt(self, by_score: bool = False) -> None:
         """The ``lpt`` rule (a short pool: every request is admitted): the largest of the first
         ``stage1_candidates`` waiting (the earliest of ties) onto the open worker with the
-        lowest ``load + lpt_count_weight * active requests`` (ties: lower index); BR-H with
-        ``stage1="lpt"`` onto the open worker where its F is highest (under ``auto`` BR-H
-        reaches lpt only to place as BR-0 does: :meth:`BalanceRouteParams.stage1_rule`)."""
+        lowest ``load + lpt_count_weight * active requests`` (ties: lower index); with
+        ``by_score`` (BR-H's ``lpt-f``, :meth:`BalanceRouteParams.stage1_rule`) onto the open
+        worker where its F is highest."""
         weight, capacity = self.params.lpt_count_weight, self.fleet.capacity
-        by_score = self.params.horizon > 0 and self.params.stage1 == "lpt"
         while self.waiting and self.total_free > 0:
             candidates = self.waiting[: self.params.stage1_candidates]
             pos = int(np.argmax(self.sizes[candidates]))  # first maximum: the earliest
@@ -575,7 +595,10 @@ class _Round:
         """The open worker where request ``index`` scores the highest F (ties: lower load,
         lower index)."""
         open_workers = np.flatnonzero(self.free > 0)
-        scores = np.array([float(self.score(int(g), [index])[0]) for g in open_workers])
+        if self.rows is not None:
+            scores = self.table.score_row_workers(open_workers, self.rows[index])
+        else:
+            scores = np.array([float(self.score(int(g), [index])[0]) for g in open_workers])
         order = np.lexsort((open_workers, self.table.loads[open_workers, 0], -scores))
         return int(open_workers[order[0]])
 

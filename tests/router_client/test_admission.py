@@ -271,6 +271,49 @@ def test_lpt_places_a_short_pool_largest_first_where_best_pair_places_it_last():
         assert stats.stage1_admissions == 2 and stats.stage2_admissions == 0
 
 
+def test_brh_places_a_short_pool_largest_first_by_default_and_best_pair_on_request():
+    """The BR-0 example above with true lengths: both active requests run through the window
+    (c_hat = H), so the loads are 500 + h, 500 + h, 0 and the margins 0, 0, 500 + h; the
+    pool a = 350, b = 600 grows by one token a step (candidate rows). ``best-pair`` (the rule
+    before 2026-12-01) takes a first (it fits worker 2 at every step, F = sum d (350 + h),
+    against b's sum d (600 + h) - 3 sum d 100), then b overflows every worker and lands on
+    worker 2 too. The default ``lpt`` takes b first onto worker 2 (the only worker it does
+    not overflow by its whole size), then a overflows workers 0 and 1 by 250 and worker 2 by
+    its whole size: worker 0 (equal F and load with worker 1, the lower index)."""
+    fleet = FleetView(4, np.array([500.0, 500.0, 0.0]), np.array([1, 1, 0]),
+                      np.array([0, 1]), np.array([500.0, 500.0]),
+                      active_c_hat=np.array([10.0, 10.0]))
+    pool = [WaitingRequest("a", 350), WaitingRequest("b", 600)]
+    params = BalanceRouteParams(horizon=10, gamma=0.9)
+    for reference in (None, True):
+        got, stats = route_round(fleet, pool, params, reference=reference)
+        assert [(a.pool_index, a.worker) for a in got] == [(1, 2), (0, 0)]
+        assert stats.stage1_admissions == 2 and stats.stage2_admissions == 0
+        got, _ = route_round(fleet, pool, replace(params, short_pool="best-pair"),
+                             reference=reference)
+        assert [(a.pool_index, a.worker) for a in got] == [(0, 2), (1, 2)]
+        got, _ = route_round(fleet, pool, replace(params, stage1="auto-pair"),
+                             reference=reference)
+        assert [(a.pool_index, a.worker) for a in got] == [(0, 2), (1, 2)]
+    with pytest.raises(ParameterError, match="short_pool"):
+        BalanceRouteParams(short_pool="largest")  # type: ignore[arg-type]
+
+
+def test_lpt_load_places_a_short_pool_as_br0_even_where_the_lookahead_disagrees():
+    """Worker 0's request ends after this step (c_hat 1): BR-H's F sees it empty from step 1
+    and places the request there (``lpt``, the default); ``lpt-load`` places it as BR-0 does,
+    onto the least loaded now (worker 1)."""
+    fleet = FleetView(4, np.array([500.0, 400.0, 450.0]), np.array([1, 1, 1]),
+                      np.array([0, 1, 2]), np.array([500.0, 400.0, 450.0]),
+                      active_c_hat=np.array([1.0, 10.0, 10.0]))
+    pool = [WaitingRequest("a", 300)]
+    params = BalanceRouteParams(horizon=10, gamma=0.9)
+    assert [a.worker for a in route_round(fleet, pool, params)[0]] == [0]
+    assert [a.worker for a in route_round(
+        fleet, pool, replace(params, short_pool="lpt-load"))[0]] == [1]
+    assert [a.worker for a in route_round(fleet, pool, BalanceRouteParams.br0())[0]] == [1]
+
+
 def test_lpt_count_weight_prefers_the_worker_with_fewer_active_requests():
     # loads 500, 500, 0 with 3, 1 and 0 active requests; weight 10: keys 530, 510, 0
     fleet = FleetView(4, np.array([500.0, 500.0, 0.0]), np.array([3, 1, 0]),
@@ -284,7 +327,7 @@ def test_lpt_count_weight_prefers_the_worker_with_fewer_active_requests():
 
 
 def test_brh_lpt_places_the_largest_where_its_lookahead_scores_best():
-    """``stage1="lpt"`` with BR-H (auto keeps best-pair for BR-H)."""
+    """``stage1="lpt"`` with BR-H, and ``auto`` (its default ``short_pool="lpt"``) alike."""
     # Loads 500, 400, 450, one request each; worker 0's ends after this step (c_hat 1), the
     # others run through the window. A request of 300 (short pool): BR-0's lpt takes the least
     # loaded now (worker 1); BR-H's F sees worker 0 empty from step 1 on (margin 450 + h
@@ -299,6 +342,8 @@ def test_brh_lpt_places_the_largest_where_its_lookahead_scores_best():
                                                              stage1="lpt"))
     assert [(a.pool_index, a.worker) for a in got] == [(0, 0)]
     assert stats.stage1_admissions == 1
+    got, _ = route_round(fleet, pool, BalanceRouteParams(horizon=10, gamma=0.9))
+    assert [(a.pool_index, a.worker) for a in got] == [(0, 0)]
 
 
 def test_lpt_applies_only_to_a_short_pool():

@@ -106,3 +106,21 @@ def test_a_spread_raises_the_penalty_only_where_loads_are_uncertain():
                                unsure.score_rows(0, np.full((1, 4), 400.0)))
     with pytest.raises(ValueError):
         unsure.peak(0)
+
+
+@given(st.integers(0, 10_000), st.booleans())
+def test_score_row_workers_equals_score_rows_worker_by_worker(seed, with_spread):
+    """The vectorized score of one row on several workers (BR-H's lpt placement) is
+    :meth:`MarginTable.score_rows` on each worker: with known loads and with a spread."""
+    rng = np.random.default_rng(seed)
+    workers, horizon = int(rng.integers(2, 9)), int(rng.integers(0, 12))
+    loads = rng.uniform(0, 5000, (workers, horizon + 1))
+    spread = rng.uniform(0, 300, loads.shape) if with_spread else None
+    table = MarginTable(loads, discounts(horizon, float(rng.uniform(0.5, 1.0))),
+                        1.0, float(workers), spread)
+    row = rng.uniform(0, 4000, horizon + 1)
+    chosen = np.sort(rng.choice(workers, size=int(rng.integers(1, workers + 1)),
+                                replace=False))
+    want = np.array([float(table.score_rows(int(g), row)) for g in chosen])
+    np.testing.assert_allclose(table.score_row_workers(chosen, row), want,
+                               rtol=1e-12, atol=1e-6)

@@ -1,0 +1,52 @@
+"""tools/oracle_eval.py: BR-H with true lengths against BR-0 under variants, and the table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = [sys.executable, str(ROOT / "tools" / "oracle_eval.py")]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import oracle_eval  # noqa: E402
+
+
+def test_variants_parse_into_balance_route_params_and_bad_ones_fail():
+    assert oracle_eval.parse_variant("lpt=") == ("lpt", {})
+    assert oracle_eval.parse_variant("bp=short_pool=best-pair,turnover_scale=0.5,refill=true") == (
+        "bp", {"short_pool": "best-pair", "turnover_scale": 0.5, "refill": True})
+    with pytest.raises(Exception, match="short_pool"):
+        oracle_eval.parse_variant("x=short_pool=largest")
+
+
+def test_families_share_br0_and_the_table_flags_what_misses(tmp_path):
+    """Two variants on one small family cell: BR-0 runs once and is the reference of both;
+    the ratios in a row are its oracle's throughput and imbalance over BR-0's; the table's
+    cell is their mean (one run) and flags a throughput ratio below 0.999."""
+    out = tmp_path / "rows.jsonl"
+    subprocess.run([*TOOL, "families", "--json", str(out), "--output-means", "60",
+                    "--prompt-means", "3000", "--loads", "0.8", "--workers", "4",
+                    "--requests", "400", "--variant", "lpt=",
+                    "--variant", "bp=short_pool=best-pair"],
+                   check=True, capture_output=True, cwd=ROOT)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["variant"], r["trace"], r["load"], r["workers"]) for r in rows] == [
+        ("lpt", "long-o60-p3000", "0.8", 4), ("bp", "long-o60-p3000", "0.8", 4)]
+    assert rows[0]["br0"] == rows[1]["br0"]
+    assert rows[0]["oracle"] != rows[1]["oracle"]  # the short-pool rules decide differently
+    for r in rows:
+        assert r["throughput_ratio"] == pytest.approx(
+            r["oracle"]["throughput_tok_s"] / r["br0"]["throughput_tok_s"])
+        assert r["oracle"]["completed"] == r["br0"]["completed"] == 400
+    table = subprocess.run([*TOOL, "table", "--json", str(out)], check=True,
+                           capture_output=True, text=True, cwd=ROOT).stdout
+    line = next(x for x in table.splitlines() if x.startswith("| long-o60-p3000"))
+    cells = [c.strip() for c in line.strip("|").split("|")][3:]
+    for cell, r in zip(cells, rows):
+        assert cell.startswith(f"{r['throughput_ratio']:.4f}, {r['imbalance_ratio']:.3f}")
+        assert ("**T**" in cell) == (r["throughput_ratio"] < 0.999)

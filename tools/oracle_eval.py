@@ -1,0 +1,209 @@
+"""BR-H with true lengths (``brh-oracle``) against BR-0 under variants of the method.
+
+    python tools/oracle_eval.py matrix --json rows.jsonl --seeds 0 --requests 10000 \
+        --variant lpt= --variant best-pair=short_pool=best-pair
+    python tools/oracle_eval.py families --json fam.jsonl --output-means 30,60,120,250,600 \
+        --prompt-means 1000,6000 --loads 0.8,1.0 --workers 4,8 --variant lpt= ...
+    python tools/oracle_eval.py table --json rows.jsonl
+
+``matrix``: the bundled and shared traces (Azure conversation, Mooncake conversation,
+ShareGPT, synth:long, synth:templated) at backlog, 1.5, 1.0 and 0.8, G = 4, 8, 16, B = 64, the
+default step cost. Replicate 0 is the first ``--requests`` requests (the README's matrix);
+replicate k > 0 is the window of ``--requests`` consecutive requests starting at
+``k * requests`` (modulo the trace's length) of a file trace, or the synthesized trace with
+``seed=k``; the simulator's seed is k. ``families``: ``synth:long`` with each output mean x
+prompt mean (lognormal, shape 1.0 and 0.8): workloads of the shapes we do not ship, short
+outputs above all. A ``--variant NAME=k=v,k=v`` sets :class:`BalanceRouteParams` fields for
+BR-H (an empty list: the defaults); BR-0 runs once per replicate and is the reference of
+every variant. One JSON line per (variant, cell, G) is appended as it finishes.
+
+``table`` prints per cell the mean throughput ratio over replicates and the geometric mean
+of the max-min imbalance ratio, flagged where issue 10's must-holds miss (T: throughput <
+0.999; I: imbalance above BR-0's at saturation, loads 1.0, 1.5 and backlog; L: above 0.8x on
+synth:long and ShareGPT at saturation), and per variant the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from predictor import abtest  # noqa: E402
+from router_client.admission import BalanceRouteParams  # noqa: E402
+from router_client.simulator import SimConfig  # noqa: E402
+from router_client.traces import Trace, load_trace  # noqa: E402
+
+SHARED = ROOT.parent / "shared" / "traces"
+TRACES = {
+    "azure": str(ROOT / "router_client" / "data" / "AzureLLMInferenceTrace_conv.csv"),
+    "mooncake": str(SHARED / "conversation_trace.jsonl"),
+    "sharegpt": str(SHARED / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"),
+    "synth-long": "synth:long",
+    "synth-templated": "synth:templated",
+}
+LOADS = ["backlog", "1.5", "1.0", "0.8"]
+LONG_OUTPUTS = ("synth-long", "sharegpt")
+KEPT = ("throughput_tok_s", "balanced_bound_tok_s", "imbalance_maxmin_mean",
+        "imbalance_total_mean", "starvation_guard_admissions", "completed")  # of each row
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, object]]:
+    """``NAME=k=v,k=v`` -> (NAME, fields); values are numbers where they parse as one."""
+    name, _, rest = text.partition("=")
+    fields: dict[str, object] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, raw = item.partition("=")
+        try:
+            fields[key] = float(raw)
+        except ValueError:
+            fields[key] = {"true": True, "false": False}.get(raw, raw)
+    BalanceRouteParams(**fields)  # type: ignore[arg-type]  # a bad field fails here, early
+    return name, fields
+
+
+def replicate(name: str, seed: int, requests: int) -> Trace:
+    """Replicate ``seed`` of a bundled trace (see the module docstring)."""
+    spec = TRACES[name]
+    if seed == 0:
+        return load_trace(spec, "auto", requests)
+    if spec.startswith("synth:"):
+        return load_trace(f"{spec}:seed={seed},n={requests}", "auto", None)
+    full = load_trace(spec, "auto", None)
+    start = (seed * requests) % max(len(full) - requests, 1)
+    return full.take(np.arange(start, min(start + requests, len(full))))
+
+
+def load_value(load: str) -> float | str:
+    return load if load == "backlog" else float(load)
+
+
+def compare(trace: Trace, load: str, workers: list[int], seed: int,
+            variants: dict[str, dict[str, object]]) -> Iterator[dict]:
+    """BR-0 once, then ``brh-oracle`` under each variant, on the same trace and arrivals."""
+    config = SimConfig(batch=64, load=load_value(load), horizon=80, refresh_steps=10,
+                       seed=seed, record_trajectory=False)
+    base = {r["workers"]: r for r in abtest.run_comparison(trace, ["br0"], workers, config).rows}
+    for name, fields in variants.items():
+        params = BalanceRouteParams(**fields)  # type: ignore[arg-type]
+        for row in abtest.run_comparison(trace, ["brh-oracle"], workers, config,
+                                         params=params).rows:
+            b = base[row["workers"]]
+            yield {"variant": name, "fields": fields, "load": load, "workers": row["workers"],
+                   "seed": seed,
+                   "throughput_ratio": row["throughput_tok_s"] / b["throughput_tok_s"],
+                   "imbalance_ratio": row["imbalance_maxmin_mean"] / b["imbalance_maxmin_mean"],
+                   "gamma_mean": row.get("gamma_mean"),
+                   "br0": {k: b[k] for k in KEPT}, "oracle": {k: row[k] for k in KEPT}}
+
+
+def emit(path: Path, rows: Iterator[dict], cell: dict) -> None:
+    with path.open("a") as f:
+        for row in rows:
+            row.update(cell)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            print(f"{row['trace']} {row['load']} G={row['workers']} seed {row['seed']} "
+                  f"{row['variant']}: throughput x{row['throughput_ratio']:.4f}, "
+                  f"imbalance x{row['imbalance_ratio']:.3f}", flush=True)
+
+
+def cmd_matrix(args: argparse.Namespace) -> None:
+    variants = dict(map(parse_variant, args.variant))
+    for name, seed in itertools.product(args.traces, args.seeds):
+        trace = replicate(name, seed, args.requests)
+        for load in args.loads:
+            emit(args.json, compare(trace, load, args.workers, seed, variants),
+                 {"trace": name, "requests": len(trace)})
+
+
+def cmd_families(args: argparse.Namespace) -> None:
+    variants = dict(map(parse_variant, args.variant))
+    for om, pm, load, seed in itertools.product(args.output_means, args.prompt_means,
+                                                args.loads, args.seeds):
+        spec = (f"synth:long:output_mean={om},prompt_mean={pm},n={args.requests},"
+                f"max_output=16384,seed={seed}")
+        trace = load_trace(spec, "auto", None)
+        emit(args.json, compare(trace, load, args.workers, seed, variants),
+             {"trace": f"long-o{om}-p{pm}", "requests": len(trace)})
+
+
+def cmd_table(args: argparse.Namespace) -> None:
+    cells: dict[str, dict[tuple, list[tuple[float, float]]]] = defaultdict(
+        lambda: defaultdict(list))
+    for line in args.json.read_text().splitlines():
+        r = json.loads(line)
+        cells[r["variant"]][(r["trace"], r["load"], r["workers"])].append(
+            (r["throughput_ratio"], r["imbalance_ratio"]))
+    names = list(cells)
+    keys = sorted({k for v in cells.values() for k in v})
+    print("| trace | load | G | " + " | ".join(names) + " |")
+    print("|---|---|---:|" + "---|" * len(names))
+    summary: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    for key in keys:
+        out = []
+        for name in names:
+            runs = cells[name].get(key)
+            if not runs:
+                out.append("")
+                continue
+            thr = sum(t for t, _ in runs) / len(runs)
+            imb = math.exp(sum(math.log(i) for _, i in runs) / len(runs))
+            saturated = key[1] != "0.8"
+            flag = ("T" if thr < 0.999 else "") + ("I" if saturated and imb > 1.0 else "") + (
+                "L" if saturated and key[0] in LONG_OUTPUTS and imb > 0.8 else "")
+            summary[name].append((thr, imb, flag))
+            out.append(f"{thr:.4f}, {imb:.3f}" + (f" **{flag}**" if flag else ""))
+        print(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(out) + " |")
+    print()
+    for name in names:
+        rows = summary[name]
+        thr = [t for t, _, _ in rows]
+        singles = [t for runs in cells[name].values() for t, _ in runs]
+        print(f"{name}: {len(rows)} cells, mean throughput x{sum(thr) / len(thr):.4f} "
+              f"(lowest x{min(thr):.4f}), geometric-mean imbalance "
+              f"x{math.exp(sum(math.log(i) for _, i, _ in rows) / len(rows)):.3f}; cells below "
+              f"0.999: {sum(t < 0.999 for t in thr)}; misses T/I/L: "
+              f"{sum('T' in f for _, _, f in rows)}/{sum('I' in f for _, _, f in rows)}/"
+              f"{sum('L' in f for _, _, f in rows)}; single runs below 0.999: "
+              f"{sum(t < 0.999 for t in singles)} of {len(singles)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    for name in ("matrix", "families"):
+        p = sub.add_parser(name)
+        p.add_argument("--json", type=Path, required=True, help="append rows here")
+        p.add_argument("--variant", action="append", default=[],
+                       help="NAME=field=value,... (BalanceRouteParams for BR-H; repeatable)")
+        p.add_argument("--workers", type=ints, default=[4, 8, 16])
+        p.add_argument("--seeds", type=ints, default=[0])
+        p.add_argument("--requests", type=int, default=10000 if name == "matrix" else 4000)
+        p.add_argument("--loads", type=lambda t: t.split(","), default=LOADS)
+    sub.choices["matrix"].add_argument("--traces", type=lambda t: t.split(","),
+                                       default=list(TRACES))
+    sub.choices["families"].add_argument("--output-means", type=ints,
+                                         default=[30, 60, 120, 250, 600])
+    sub.choices["families"].add_argument("--prompt-means", type=ints, default=[1000, 6000])
+    t = sub.add_parser("table")
+    t.add_argument("--json", type=Path, required=True)
+    args = ap.parse_args(argv)
+    if args.command != "table" and not args.variant:
+        args.variant = ["default="]
+    {"matrix": cmd_matrix, "families": cmd_families, "table": cmd_table}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

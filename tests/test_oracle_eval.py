@@ -47,6 +47,6 @@ def test_families_share_br0_and_the_table_flags_what_misses(tmp_path):
                            capture_output=True, text=True, cwd=ROOT).stdout
     line = next(x for x in table.splitlines() if x.startswith("| long-o60-p3000"))
     cells = [c.strip() for c in line.strip("|").split("|")][3:]
-    for cell, r in zip(cells, rows):
+    for cell, r in zip(cells, rows, strict=True):
         assert cell.startswith(f"{r['throughput_ratio']:.4f}, {r['imbalance_ratio']:.3f}")
         assert ("**T**" in cell) == (r["throughput_ratio"] < 0.999)

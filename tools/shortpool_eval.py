@@ -41,7 +41,7 @@ from router_client.simulator import SimConfig, simulate  # noqa: E402
 from router_client.synth import synthesize  # noqa: E402
 from router_client.traces import Trace, load_trace  # noqa: E402
 
-SHARED = Path("/work/shared/traces")
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"  # ../shared beside the repo
 TRACES = {
     "synth:long": "synth:long",
     "sharegpt": str(SHARED / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"),

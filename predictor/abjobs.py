@@ -91,7 +91,8 @@ def _config(request: dict) -> SimConfig:
 def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
     comparison = abtest.run_comparison(
         trace, request["policies"], request["workers"], _config(request), progress,
-        params=BalanceRouteParams(stage1=request["stage1"]))
+        params=BalanceRouteParams(stage1=request["stage1"],
+                                  short_pool=request.get("short_pool", "lpt")))
     return comparison.rows
 
 

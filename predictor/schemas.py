@@ -22,7 +22,7 @@ from pydantic import (
 )
 from typing_extensions import TypedDict
 
-from router_client.admission import Stage1Rule
+from router_client.admission import ShortPoolRule, Stage1Rule
 from router_client.traces import key_of_text
 
 from .estimators import estimator_names
@@ -358,6 +358,10 @@ class AbComparisonIn(ReplayIn):
     horizon: Horizon = 80
     requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] | None = None
     stage1: Stage1Rule = "auto"
+    short_pool: ShortPoolRule = Field(
+        "lpt", description="how BR-H's lookahead places a short pool under stage1 'auto': "
+        "lpt (largest first onto the best F), lpt-load (as BR-0), best-pair (the rule "
+        "before 2026-12-01)")
     source: Literal["observations"] | None = Field(
         None, description="replay the service's own stored observations")
     trace: TraceIn | None = None

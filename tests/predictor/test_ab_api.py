@@ -51,6 +51,30 @@ def test_rest_comparison_equals_the_cli(tmp_path):
     assert rest == cli
 
 
+def test_rest_comparison_takes_the_short_pool_rule_as_the_cli_does(tmp_path):
+    """``short_pool`` reaches BR-H as ``--short-pool`` does: the REST rows with
+    ``best-pair`` equal the CLI's with ``--short-pool best-pair`` (and differ from the
+    default's: below saturation the two rules place short pools differently)."""
+    content = csv_trace(n=400, seed=5)
+    (tmp_path / "t.csv").write_text(content)
+    rows = {}
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'sp.db'}"))) as c:
+        for rule in ("lpt", "best-pair"):
+            body = {"policies": ["brh-oracle"], "workers": [4], "batch": 8, "load": 0.8,
+                    "short_pool": rule, "trace": {"format": "csv", "content": content}}
+            job = wait(c, c.post("/v1/ab-comparisons", json=body).json()["id"])
+            assert job["status"] == "done", job
+            rows[rule] = job["results"]
+    main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "brh-oracle", "--workers",
+          "4", "--batch", "8", "--load", "0.8", "--short-pool", "best-pair", "--quiet",
+          "--json", str(tmp_path / "cli.json")])
+    cli = json.loads((tmp_path / "cli.json").read_text())
+    for row in cli + rows["best-pair"] + rows["lpt"]:
+        row.pop("sim_wall_s")
+    assert rows["best-pair"] == cli
+    assert rows["lpt"] != rows["best-pair"]
+
+
 def test_replaying_the_services_own_observations(tmp_path):
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'obs.db'}")
     with TestClient(create_app(settings)) as c:
@@ -75,6 +99,7 @@ def test_replaying_the_services_own_observations(tmp_path):
     ({}, "exactly one"),
     ({"source": "observations", "load": 0}, "load"),
     ({"source": "observations", "workers": [0]}, "workers"),
+    ({"source": "observations", "short_pool": "largest"}, "short_pool"),
     ({"trace": {"format": "csv",
                 "content": "arrival_s,prompt_tokens,output_tokens\n0,1,2\n1,x,3\n"}},
      "line 3"),

@@ -157,13 +157,15 @@ def _add_ab(sub) -> None:
     ab.add_argument("--learned-short-pool", action=argparse.BooleanOptionalAction,
                     default=False,
                     help="BR-H with a learned predictor places a short pool (every waiting "
-                    "request admitted this round) by its lookahead; default: as BR-0 places it "
-                    "(with true lengths the lookahead places it either way)")
+                    "request admitted this round) by --short-pool; default: as BR-0 places it "
+                    "(with true lengths --short-pool decides either way)")
     ab.add_argument("--short-pool", default="lpt", choices=list(SHORT_POOL_RULES),
-                    help="how BR-H's lookahead places a short pool under --stage1 auto: lpt "
-                    "(default: largest first, onto the open worker where its F is highest), "
-                    "lpt-load (largest first onto the least-loaded, as BR-0), best-pair (the "
-                    "best (worker, request) pair by F, the rule before 2026-12-01)")
+                    help="how BR-H places a short pool under --stage1 auto (ignored by the "
+                    "other rules), with true lengths, or with a learned predictor together with "
+                    "--learned-short-pool: lpt (default: largest first, onto the open worker "
+                    "where its F is highest), lpt-load (largest first onto the least-loaded, as "
+                    "BR-0), best-pair (the best (worker, request) pair by F, the rule before "
+                    "2026-12-01)")
     ab.add_argument("--rmax", type=int, default=None,
                     help="Stage-2 candidates per worker (default min(4G, 64), BR-0 and BR-H)")
     ab.add_argument("--s-greedy", type=int, default=7,

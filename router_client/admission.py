@@ -118,13 +118,15 @@ class BalanceRouteParams:
             :func:`router_client.fscore.expected_overflow`) instead of the overflow of the
             expected load. Known loads (step 0, true lengths) are scored as before.
         learned_short_pool: under ``stage1="auto"``, place a short pool by BR-H's lookahead
-            (best pair) also with a learned predictor's law; False (default): with a learned
-            law (loads with a spread), a short pool is placed as BR-0 places it (lpt onto the
-            least-loaded open worker), with true lengths by lookahead. Every request of a
+            (the ``short_pool`` rule) also with a learned predictor's law; False (default):
+            with a learned law (loads with a spread), a short pool is placed as BR-0 places it
+            (lpt onto the least-loaded open worker) whatever ``short_pool`` says, with true
+            lengths by ``short_pool``. Every request of a
             short pool is admitted this round; only where is decided, and learned lookahead
             placed worse than BR-0 below saturation (see the README).
-        short_pool: under ``stage1="auto"``, how BR-H places a short pool by its lookahead
-            (true lengths, or a learned law with ``learned_short_pool``): ``lpt`` (default)
+        short_pool: under ``stage1="auto"`` (other Stage-1 rules ignore it), how BR-H
+            places a short pool (true lengths, or a learned law with
+            ``learned_short_pool``): ``lpt`` (default)
             the largest waiting request first (ties: the earliest) onto the open worker
             where its F is highest (ties: lower load, lower index); ``lpt-load`` the largest
             first onto the least-loaded open worker (BR-0's placement); ``best-pair`` the
@@ -509,8 +511,9 @@ class _Round:
         if self.total_free <= threshold:
             return params.horizon == 0  # no Stage-1 admission either way
         loads = self.table.loads[:, 0]
-        if not fastpath.applies(params.horizon, self.rows, loads, self.sizes):
-            return False
+        if rule not in ("lpt", "best-pair", "paper") or not fastpath.applies(
+                params.horizon, self.rows, loads, self.sizes):
+            return False  # lpt-f (BR-H's F) has no fast path
         self.exact = True  # the fast path applies to this round (checked once)
         window = fastpath.Window(self.sizes, self.waiting, params.stage1_candidates)
         if rule == "lpt":

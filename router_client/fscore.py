@@ -193,12 +193,14 @@ class MarginTable:
 
     def score_row_workers(self, workers: np.ndarray, row: np.ndarray) -> np.ndarray:
         """:meth:`score_rows` of one row of added work on each of ``workers`` at once (the
-        same terms, one matrix product per term instead of one call per worker)."""
+        same terms, to rounding). Each worker's penalty is reduced by the same row-wise sum,
+        so workers in the same state score exactly alike and the caller's tie rule decides
+        between them (a matrix product may round identical rows differently)."""
         row = np.asarray(row, dtype=np.float64)
         if self.spread is not None:  # a spread per worker and step: one worker at a time
             return np.array([float(self.score_rows(int(g), row)) for g in workers])
         over = np.maximum(0.0, row[None, :] - (self.envelope[None, :] - self.loads[workers]))
-        return self.alpha * float(row @ self.d) - self.beta * (over @ self.d)
+        return self.alpha * float(row @ self.d) - self.beta * (over * self.d).sum(axis=1)
 
     def admit_row(self, worker: int, row: np.ndarray) -> None:
         """Add per-step work ``row`` (shape ``(H+1,)``) to ``worker``; raise the envelope."""

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,6 +23,27 @@ def test_variants_parse_into_balance_route_params_and_bad_ones_fail():
         "bp", {"short_pool": "best-pair", "turnover_scale": 0.5, "refill": True})
     with pytest.raises(Exception, match="short_pool"):
         oracle_eval.parse_variant("x=short_pool=largest")
+    assert oracle_eval.parse_variant("w=r_max=16") == ("w", {"r_max": 16})
+    assert isinstance(oracle_eval.parse_variant("w=r_max=16")[1]["r_max"], int)
+    with pytest.raises(SystemExit, match="horizon"):
+        oracle_eval.parse_variant("h=horizon=20")
+
+
+def test_replicates_are_disjoint_windows_then_seeded_samples():
+    """Replicate k of a file trace is its k-th window while the trace holds one, then a
+    seeded sample in trace order: never a shifted copy of another replicate."""
+    full = oracle_eval.load_trace(oracle_eval.TRACES["azure"], "auto", None)
+    n = 6000  # the bundled Azure trace holds 19,366: windows 0, 1, 2, then samples
+    reps = [oracle_eval.replicate("azure", k, n) for k in range(5)]
+    assert all(len(r) == n for r in reps)
+    for k in range(3):
+        np.testing.assert_array_equal(reps[k].prompt_tokens,
+                                      full.prompt_tokens[k * n:(k + 1) * n])
+    for k in (3, 4):
+        np.testing.assert_array_equal(reps[k].prompt_tokens,
+                                      full.sample(n, k).prompt_tokens)
+        assert np.all(np.diff(reps[k].arrival_s) >= 0)  # trace order, arrivals kept
+    assert not np.array_equal(reps[3].prompt_tokens, reps[4].prompt_tokens)
 
 
 def test_families_share_br0_and_the_table_flags_what_misses(tmp_path):

@@ -9,18 +9,22 @@
 ``matrix``: the bundled and shared traces (Azure conversation, Mooncake conversation,
 ShareGPT, synth:long, synth:templated) at backlog, 1.5, 1.0 and 0.8, G = 4, 8, 16, B = 64, the
 default step cost. Replicate 0 is the first ``--requests`` requests (the README's matrix);
-replicate k > 0 is the window of ``--requests`` consecutive requests starting at
-``k * requests`` (modulo the trace's length) of a file trace, or the synthesized trace with
-``seed=k``; the simulator's seed is k. ``families``: ``synth:long`` with each output mean x
+replicate k > 0 of a file trace is its k-th window of ``--requests`` consecutive requests
+(requests ``k * n`` to ``(k + 1) * n - 1``) while the trace holds it, and past its end ``n``
+requests drawn at random (seeded by k) without replacement, kept in trace order with their
+arrival times (``Trace.sample``); of a synthetic trace, the trace synthesized with
+``seed=k``. The simulator's seed is k. ``families``: ``synth:long`` with each output mean x
 prompt mean (lognormal, shape 1.0 and 0.8): workloads of the shapes we do not ship, short
 outputs above all. A ``--variant NAME=k=v,k=v`` sets :class:`BalanceRouteParams` fields for
 BR-H (an empty list: the defaults); BR-0 runs once per replicate and is the reference of
-every variant. One JSON line per (variant, cell, G) is appended as it finishes.
+every variant (a variant may not set ``horizon``: the simulation's H, 80, is every BR-H's).
+One JSON line per (variant, cell, G) is appended as it finishes (to a new file, or one the
+same command has not filled yet: ``table`` counts every line).
 
 ``table`` prints per cell the mean throughput ratio over replicates and the geometric mean
 of the max-min imbalance ratio, flagged where issue 10's must-holds miss (T: throughput <
-0.999; I: imbalance above BR-0's at saturation, loads 1.0, 1.5 and backlog; L: above 0.8x on
-synth:long and ShareGPT at saturation), and per variant the summary.
+0.999; I: imbalance above BR-0's at saturation, load 1.0 and above or backlog; L: above 0.8x
+on synth:long and ShareGPT there), and per variant the summary.
 """
 
 from __future__ import annotations
@@ -59,15 +63,22 @@ KEPT = ("throughput_tok_s", "balanced_bound_tok_s", "imbalance_maxmin_mean",
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, object]]:
-    """``NAME=k=v,k=v`` -> (NAME, fields); values are numbers where they parse as one."""
+    """``NAME=k=v,k=v`` -> (NAME, fields); values are integers, then numbers, where they
+    parse as one."""
     name, _, rest = text.partition("=")
     fields: dict[str, object] = {}
     for item in filter(None, rest.split(",")):
         key, _, raw = item.partition("=")
-        try:
-            fields[key] = float(raw)
-        except ValueError:
+        for kind in (int, float):
+            try:
+                fields[key] = kind(raw)
+                break
+            except ValueError:
+                continue
+        else:
             fields[key] = {"true": True, "false": False}.get(raw, raw)
+    if "horizon" in fields:
+        raise SystemExit(f"variant {name}: horizon is the simulation's (80), not a variant's")
     BalanceRouteParams(**fields)  # type: ignore[arg-type]  # a bad field fails here, early
     return name, fields
 
@@ -80,8 +91,9 @@ def replicate(name: str, seed: int, requests: int) -> Trace:
     if spec.startswith("synth:"):
         return load_trace(f"{spec}:seed={seed},n={requests}", "auto", None)
     full = load_trace(spec, "auto", None)
-    start = (seed * requests) % max(len(full) - requests, 1)
-    return full.take(np.arange(start, min(start + requests, len(full))))
+    if (seed + 1) * requests <= len(full):
+        return full.take(np.arange(seed * requests, (seed + 1) * requests))
+    return full.sample(requests, seed)
 
 
 def load_value(load: str) -> float | str:
@@ -159,7 +171,7 @@ def cmd_table(args: argparse.Namespace) -> None:
                 continue
             thr = sum(t for t, _ in runs) / len(runs)
             imb = math.exp(sum(math.log(i) for _, i in runs) / len(runs))
-            saturated = key[1] != "0.8"
+            saturated = key[1] == "backlog" or float(key[1]) >= 1.0
             flag = ("T" if thr < 0.999 else "") + ("I" if saturated and imb > 1.0 else "") + (
                 "L" if saturated and key[0] in LONG_OUTPUTS and imb > 0.8 else "")
             summary[name].append((thr, imb, flag))

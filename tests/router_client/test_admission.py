@@ -441,6 +441,23 @@ def test_a_short_pool_with_a_learned_law_is_placed_as_br0_places_it():
     assert [a.worker for a in route_round(learned, pool, BalanceRouteParams.br0())[0]] == [1]
     lookahead = replace(params, learned_short_pool=True)
     assert [a.worker for a in route_round(learned, pool, lookahead)[0]] == [0]
+    # Two requests, a = 350 and b = 600: under a learned law short_pool is ignored (BR-0's
+    # lpt: b onto worker 1, the least loaded, then a onto worker 2, now the least loaded);
+    # with learned_short_pool it decides: lpt by F takes b first onto worker 0 (nearly empty
+    # from step 1 on), then a onto worker 1; best-pair takes a first (it fits worker 0), then
+    # b onto worker 1.
+    two = [WaitingRequest("a", 350), WaitingRequest("b", 600)]
+    as_br0 = [(a.pool_index, a.worker) for a in route_round(learned, two,
+                                                            BalanceRouteParams.br0())[0]]
+    for rule in ("lpt", "best-pair", "lpt-load"):
+        got = route_round(learned, two, replace(params, short_pool=rule))[0]
+        assert [(a.pool_index, a.worker) for a in got] == as_br0
+    by_f = [(a.pool_index, a.worker) for a in route_round(learned, two, lookahead)[0]]
+    pair = [(a.pool_index, a.worker) for a in route_round(
+        learned, two, replace(lookahead, short_pool="best-pair"))[0]]
+    assert as_br0 == [(1, 1), (0, 2)]
+    assert by_f == [(1, 0), (0, 1)]
+    assert pair == [(0, 0), (1, 1)]
     long_pool = [WaitingRequest(str(i), 300) for i in range(4)]  # 4 > 3 free slots
     assert (route_round(learned, long_pool, params)[0]
             == route_round(learned, long_pool, lookahead)[0])

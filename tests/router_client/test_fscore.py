@@ -124,3 +124,18 @@ def test_score_row_workers_equals_score_rows_worker_by_worker(seed, with_spread)
     want = np.array([float(table.score_rows(int(g), row)) for g in chosen])
     np.testing.assert_allclose(table.score_row_workers(chosen, row), want,
                                rtol=1e-12, atol=1e-6)
+
+
+@pytest.mark.parametrize("copies", [2, 3, 5, 6, 7, 9, 17])
+def test_score_row_workers_scores_workers_in_the_same_state_exactly_alike(copies):
+    """Identical workers get bit-identical scores, whatever their number (a BLAS matrix
+    product can round identical rows differently, which would decide a tie by rounding)."""
+    rng = np.random.default_rng(copies)
+    horizon = 80
+    base = rng.uniform(0, 5000, horizon + 1)
+    loads = np.vstack([base] * copies + [base + 3000.0])  # the last worker sets the envelope
+    table = MarginTable(loads, discounts(horizon, 0.95), 1.0, float(copies + 1))
+    row = rng.uniform(2000, 6000, horizon + 1)  # overflows the identical workers' margins
+    scores = table.score_row_workers(np.arange(copies), row)
+    assert (scores == scores[0]).all()
+    assert scores[0] == pytest.approx(float(table.score_rows(0, row)), rel=1e-12)

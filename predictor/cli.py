@@ -146,26 +146,6 @@ def _add_ab(sub) -> None:
     ab.add_argument("--turnover-scale", type=float, default=TURNOVER_SCALE_DEFAULT,
                     help="with --gamma turnover: effective horizon in units of the steps "
                     f"between admissions to a worker (default {TURNOVER_SCALE_DEFAULT:g})")
-    ab.add_argument("--end-points", type=int, default=END_POINTS,
-                    help="BR-H with a learned predictor: spread the end time of a request "
-                    "that ends within the window over this many points of a uniform law with "
-                    f"mean mu_rem (0: all at mu_rem, the point law; default {END_POINTS})")
-    ab.add_argument("--expected-overflow", action=argparse.BooleanOptionalAction, default=True,
-                    help="BR-H with a learned predictor: the overflow penalty is its expectation "
-                    "under the predicted law of each worker's load (default); "
-                    "--no-expected-overflow: the overflow of the expected load")
-    ab.add_argument("--learned-short-pool", action=argparse.BooleanOptionalAction,
-                    default=False,
-                    help="BR-H with a learned predictor places a short pool (every waiting "
-                    "request admitted this round) by --short-pool; default: as BR-0 places it "
-                    "(with true lengths --short-pool decides either way)")
-    ab.add_argument("--short-pool", default="lpt", choices=list(SHORT_POOL_RULES),
-                    help="how BR-H places a short pool under --stage1 auto (ignored by the "
-                    "other rules), with true lengths, or with a learned predictor together with "
-                    "--learned-short-pool: lpt (default: largest first, onto the open worker "
-                    "where its F is highest), lpt-load (largest first onto the least-loaded, as "
-                    "BR-0), best-pair (the best (worker, request) pair by F, the rule before "
-                    "2026-12-01)")
     ab.add_argument("--rmax", type=int, default=None,
                     help="Stage-2 candidates per worker (default min(4G, 64), BR-0 and BR-H)")
     ab.add_argument("--s-greedy", type=int, default=7,
@@ -190,6 +170,31 @@ def _add_ab(sub) -> None:
                     help="prefix of request ids sent to --predictor-url (default: from the "
                     "clock, so repeated runs do not collide)")
     ab.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    _add_learned_flags(ab)
+
+
+def _add_learned_flags(ab: argparse.ArgumentParser) -> None:
+    """``ab``'s flags for how BR-H reads a learned law and places a short pool."""
+    ab.add_argument("--end-points", type=int, default=END_POINTS,
+                    help="BR-H with a learned predictor: spread the end time of a request "
+                    "that ends within the window over this many points of a uniform law with "
+                    f"mean mu_rem (0: all at mu_rem, the point law; default {END_POINTS})")
+    ab.add_argument("--expected-overflow", action=argparse.BooleanOptionalAction, default=True,
+                    help="BR-H with a learned predictor: the overflow penalty is its expectation "
+                    "under the predicted law of each worker's load (default); "
+                    "--no-expected-overflow: the overflow of the expected load")
+    ab.add_argument("--learned-short-pool", action=argparse.BooleanOptionalAction,
+                    default=False,
+                    help="BR-H with a learned predictor places a short pool (every waiting "
+                    "request admitted this round) by --short-pool; default: as BR-0 places it "
+                    "(with true lengths --short-pool decides either way)")
+    ab.add_argument("--short-pool", default="lpt", choices=list(SHORT_POOL_RULES),
+                    help="how BR-H places a short pool under --stage1 auto (ignored by the "
+                    "other rules), with true lengths, or with a learned predictor together with "
+                    "--learned-short-pool: lpt (default: largest first, onto the open worker "
+                    "where its F is highest), lpt-load (largest first onto the least-loaded, as "
+                    "BR-0), best-pair (the best (worker, request) pair by F, the rule before "
+                    "2026-12-01)")
 
 
 def _add_tune(sub) -> None:

@@ -92,7 +92,7 @@ def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
     comparison = abtest.run_comparison(
         trace, request["policies"], request["workers"], _config(request), progress,
         params=BalanceRouteParams(stage1=request["stage1"],
-                                  short_pool=request.get("short_pool", "lpt")))
+                                  short_pool=request["short_pool"]))
     return comparison.rows
 
 

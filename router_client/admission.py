@@ -60,6 +60,9 @@ STAGE1_RULES: tuple[str, ...] = get_args(Stage1Rule)
 ShortPoolRule = Literal["lpt", "lpt-load", "best-pair"]
 SHORT_POOL_RULES: tuple[str, ...] = get_args(ShortPoolRule)
 AUTO_SHORT_POOL: Literal["lpt", "best-pair"] = "lpt"  # BR-0's short-pool rule in auto (README)
+# BR-H's Stage-1 rule on a short pool under auto, by its ``short_pool`` setting
+_SHORT_POOL_STAGE1: dict[str, Literal["best-pair", "lpt", "lpt-f"]] = {
+    "lpt": "lpt-f", "lpt-load": "lpt", "best-pair": "best-pair"}
 MAX_ENUMERATED_SUBSETS = 4096  # Stage 2 with candidate rows: enumerate up to this many subsets
 _PROMPT_TOKENS = attrgetter("prompt_tokens")
 BR0_WINDOW_PER_WORKER = 4  # BR-0's default Stage-2 window: 4G requests ...
@@ -218,9 +221,7 @@ class BalanceRouteParams:
         if self.stage1 == "auto" and self.horizon > 0:
             if learned and not self.learned_short_pool:
                 return "lpt", True
-            rules: dict[str, Literal["best-pair", "lpt", "lpt-f"]] = {
-                "lpt": "lpt-f", "lpt-load": "lpt", "best-pair": "best-pair"}
-            return rules[self.short_pool], True
+            return _SHORT_POOL_STAGE1[self.short_pool], True
         if self.stage1 == "lpt" and self.horizon > 0:
             return "lpt-f", True
         if self.stage1 == "auto-pair":

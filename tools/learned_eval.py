@@ -35,9 +35,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tracepaths import trace_file  # noqa: E402  (tools/ beside this script)
+
 from predictor.cli import main as balanceroute  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 POLICIES = "br0,brh-survival,brh-exactmatch,brh-hazard,brh-oracle"
 CELLS = [f"{t}:{load}" for t in ("mooncake", "tpl", "azure", "sharegpt", "long")
          for load in ("backlog", "1.0")]
@@ -48,9 +49,7 @@ def trace_args(trace: str, seed: int, requests: int) -> list[str]:
     if trace in ("tpl", "long"):
         name = "templated" if trace == "tpl" else "long"
         return ["--trace", f"synth:{name}:seed={seed}", "--requests", str(requests)]
-    files = {"mooncake": "conversation_trace.jsonl", "azure": "AzureLLMInferenceTrace_conv.csv",
-             "sharegpt": "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"}
-    return ["--trace", str(SHARED / files[trace]), "--sample", str(requests)]
+    return ["--trace", trace_file(trace), "--sample", str(requests)]
 
 
 def run(args: argparse.Namespace) -> None:

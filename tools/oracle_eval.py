@@ -43,16 +43,17 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tracepaths import trace_file  # noqa: E402  (tools/ beside this script)
+
 from predictor import abtest  # noqa: E402
 from router_client.admission import BalanceRouteParams  # noqa: E402
 from router_client.simulator import SimConfig  # noqa: E402
 from router_client.traces import Trace, load_trace  # noqa: E402
 
-SHARED = ROOT.parent / "shared" / "traces"
 TRACES = {
-    "azure": str(ROOT / "router_client" / "data" / "AzureLLMInferenceTrace_conv.csv"),
-    "mooncake": str(SHARED / "conversation_trace.jsonl"),
-    "sharegpt": str(SHARED / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"),
+    "azure": trace_file("azure"),
+    "mooncake": trace_file("mooncake"),
+    "sharegpt": trace_file("sharegpt"),
     "synth-long": "synth:long",
     "synth-templated": "synth:templated",
 }

@@ -35,18 +35,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tracepaths import trace_file  # noqa: E402  (tools/ beside this script)
+
 from router_client.admission import BalanceRouteParams  # noqa: E402
 from router_client.policies import make_policy  # noqa: E402
 from router_client.simulator import SimConfig, simulate  # noqa: E402
 from router_client.synth import synthesize  # noqa: E402
 from router_client.traces import Trace, load_trace  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"  # ../shared beside the repo
 TRACES = {
     "synth:long": "synth:long",
-    "sharegpt": str(SHARED / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"),
-    "azure": str(SHARED / "AzureLLMInferenceTrace_conv.csv"),
-    "mooncake": str(SHARED / "conversation_trace.jsonl"),
+    "sharegpt": trace_file("sharegpt"),
+    "azure": trace_file("azure"),
+    "mooncake": trace_file("mooncake"),
 }
 # variant label -> BR-0 parameters (None: least-token-load)
 VARIANTS: dict[str, dict[str, object] | None] = {

@@ -188,13 +188,15 @@ def _add_learned_flags(ab: argparse.ArgumentParser) -> None:
                     help="BR-H with a learned predictor places a short pool (every waiting "
                     "request admitted this round) by --short-pool; default: as BR-0 places it "
                     "(with true lengths --short-pool decides either way)")
-    ab.add_argument("--short-pool", default="lpt", choices=list(SHORT_POOL_RULES),
+    ab.add_argument("--short-pool", default=BalanceRouteParams.short_pool,
+                    choices=list(SHORT_POOL_RULES),
                     help="how BR-H places a short pool under --stage1 auto (ignored by the "
                     "other rules), with true lengths, or with a learned predictor together with "
-                    "--learned-short-pool: lpt (default: largest first, onto the open worker "
-                    "where its F is highest), lpt-load (largest first onto the least-loaded, as "
-                    "BR-0), best-pair (the best (worker, request) pair by F, the rule before "
-                    "2026-12-01)")
+                    "--learned-short-pool: lpt-fit (default: largest first, onto the "
+                    "least-loaded open worker if it fits there under the current maximum, else "
+                    "where its F is highest), lpt (largest first, where its F is highest), "
+                    "lpt-load (largest first onto the least-loaded, as BR-0), best-pair (the "
+                    "best (worker, request) pair by F)")
 
 
 def _add_tune(sub) -> None:

@@ -22,7 +22,7 @@ from pydantic import (
 )
 from typing_extensions import TypedDict
 
-from router_client.admission import ShortPoolRule, Stage1Rule
+from router_client.admission import BalanceRouteParams, ShortPoolRule, Stage1Rule
 from router_client.traces import key_of_text
 
 from .estimators import estimator_names
@@ -359,9 +359,11 @@ class AbComparisonIn(ReplayIn):
     requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] | None = None
     stage1: Stage1Rule = "auto"
     short_pool: ShortPoolRule = Field(
-        "lpt", description="how BR-H's lookahead places a short pool under stage1 'auto': "
-        "lpt (largest first onto the best F), lpt-load (as BR-0), best-pair (the rule "
-        "before 2026-12-01)")
+        BalanceRouteParams.short_pool,
+        description="how BR-H's lookahead places a short pool under stage1 'auto': lpt-fit "
+        "(default: largest first onto BR-0's worker if it fits there under the current "
+        "maximum, else onto the best F), lpt (largest first onto the best F), lpt-load (as "
+        "BR-0), best-pair (the best pair by F)")
     source: Literal["observations"] | None = Field(
         None, description="replay the service's own stored observations")
     trace: TraceIn | None = None

@@ -19,9 +19,10 @@ Stage 1, while the free slots ``S_tot`` exceed ``s_greedy``, admits one request 
   - ``stage1="auto-pair"``: ``best-pair`` while the pool is short, the paper's rule otherwise.
   - ``stage1="auto"`` (default): :data:`AUTO_SHORT_POOL` while the pool is short, the paper's
     rule otherwise. BR-H places a short pool by ``short_pool`` with true lengths (default
-    ``lpt``: the largest first, onto the open worker where its F is highest; ``best-pair``
-    was the rule before 2026-12-01, see the README), and as BR-0 does with a learned
-    predictor's law unless ``learned_short_pool``.
+    ``lpt-fit``: the largest first, onto BR-0's worker if it fits there under the current
+    maximum, else onto the open worker where its F is highest; ``lpt`` and ``best-pair``
+    were the rules before, see the README), and as BR-0 does with a learned predictor's
+    law unless ``learned_short_pool``.
 Stage 2, when ``S_tot <= s_greedy``: workers with free slots are taken in order of free slots,
 then margin (most first); each takes the subset of the first ``r_max`` waiting requests, of
 size at most its free slots, that maximizes F (:mod:`router_client.subset`).
@@ -57,12 +58,14 @@ from .subset import SubsetChoice, best_subset
 
 Stage1Rule = Literal["auto", "paper", "best-pair", "lpt", "auto-pair"]
 STAGE1_RULES: tuple[str, ...] = get_args(Stage1Rule)
-ShortPoolRule = Literal["lpt", "lpt-load", "best-pair"]
+ShortPoolRule = Literal["lpt-fit", "lpt", "lpt-load", "best-pair"]
 SHORT_POOL_RULES: tuple[str, ...] = get_args(ShortPoolRule)
 AUTO_SHORT_POOL: Literal["lpt", "best-pair"] = "lpt"  # BR-0's short-pool rule in auto (README)
 # BR-H's Stage-1 rule on a short pool under auto, by its ``short_pool`` setting
-_SHORT_POOL_STAGE1: dict[str, Literal["best-pair", "lpt", "lpt-f"]] = {
-    "lpt": "lpt-f", "lpt-load": "lpt", "best-pair": "best-pair"}
+_SHORT_POOL_STAGE1: dict[str, Literal["best-pair", "lpt", "lpt-f", "lpt-fit"]] = {
+    "lpt-fit": "lpt-fit", "lpt": "lpt-f", "lpt-load": "lpt", "best-pair": "best-pair"}
+_LPT_PLACEMENT: dict[str, Literal["load", "score", "fit"]] = {
+    "lpt": "load", "lpt-f": "score", "lpt-fit": "fit"}  # internal Stage-1 rule -> placement
 MAX_ENUMERATED_SUBSETS = 4096  # Stage 2 with candidate rows: enumerate up to this many subsets
 _PROMPT_TOKENS = attrgetter("prompt_tokens")
 BR0_WINDOW_PER_WORKER = 4  # BR-0's default Stage-2 window: 4G requests ...
@@ -129,9 +132,14 @@ class BalanceRouteParams:
             placed worse than BR-0 below saturation (see the README).
         short_pool: under ``stage1="auto"`` (other Stage-1 rules ignore it), how BR-H
             places a short pool (true lengths, or a learned law with
-            ``learned_short_pool``): ``lpt`` (default)
-            the largest waiting request first (ties: the earliest) onto the open worker
-            where its F is highest (ties: lower load, lower index); ``lpt-load`` the largest
+            ``learned_short_pool``), the largest waiting request first (ties: the earliest)
+            in every rule but ``best-pair``: ``lpt-fit`` (default, since 2026-12-01) onto
+            the least-loaded open worker (BR-0's choice) if it fits there under the current
+            maximum, else onto the open worker where its F is highest: the lookahead moves
+            only a request that raises the maximum now wherever BR-0 puts it (the departures
+            it sees are mostly refilled before they matter; see the README); ``lpt`` onto
+            the open worker where its F is highest (ties: lower load, lower index), the
+            rule before; ``lpt-load`` the largest
             first onto the least-loaded open worker (BR-0's placement); ``best-pair`` the
             (worker, request) pair with the highest F, the rule before 2026-12-01, which
             places the requests that fit first and the large ones last (shortest-first list
@@ -154,7 +162,7 @@ class BalanceRouteParams:
     end_points: int = END_POINTS
     expected_overflow: bool = True
     learned_short_pool: bool = False
-    short_pool: ShortPoolRule = "lpt"
+    short_pool: ShortPoolRule = "lpt-fit"
 
     def __post_init__(self) -> None:
         if self.horizon < 0:
@@ -207,7 +215,7 @@ class BalanceRouteParams:
         return float(self.beta)
 
     def stage1_rule(self, short_pool: bool, learned: bool = False
-                    ) -> tuple[Literal["paper", "best-pair", "lpt", "lpt-f"], bool]:
+                    ) -> tuple[Literal["paper", "best-pair", "lpt", "lpt-f", "lpt-fit"], bool]:
         """The Stage-1 rule of a round, and whether it runs until every slot is used (a short
         pool under ``auto``, ``auto-pair`` or ``lpt``) instead of down to ``s_greedy``.
         ``lpt`` places the largest first onto the least-loaded open worker, ``lpt-f`` onto
@@ -558,8 +566,8 @@ class _Round:
 
     def stage1(self) -> None:
         params, rule, threshold = self.params, self.rule, self.threshold
-        if rule == "lpt" or rule == "lpt-f":
-            self.stage1_lpt(by_score=rule == "lpt-f")
+        if rule in _LPT_PLACEMENT:
+            self.stage1_lpt(_LPT_PLACEMENT[rule])
             return
         if rule == "best-pair":
             while self.waiting and self.total_free > threshold:
@@ -577,23 +585,32 @@ class _Round:
             self.admit(worker, self.waiting.pop(pos))
             self.stats.stage1_admissions += 1
 
-    def stage1_lpt(self, by_score: bool = False) -> None:
-        """The ``lpt`` rule (a short pool: every request is admitted): the largest of the first
-        ``stage1_candidates`` waiting (the earliest of ties) onto the open worker with the
-        lowest ``load + lpt_count_weight * active requests`` (ties: lower index); with
-        ``by_score`` (BR-H's ``lpt-f``, :meth:`BalanceRouteParams.stage1_rule`) onto the open
-        worker where its F is highest."""
+    def stage1_lpt(self, placement: Literal["load", "score", "fit"] = "load") -> None:
+        """The ``lpt`` rules (a short pool: every request is admitted): the largest of the
+        first ``stage1_candidates`` waiting (the earliest of ties) onto an open worker.
+        ``placement``: ``load`` (BR-0's ``lpt``) the open worker with the lowest ``load +
+        lpt_count_weight * active requests`` (ties: lower index); ``score`` (BR-H's
+        ``lpt-f``) the open worker where its F is highest; ``fit`` (BR-H's ``lpt-fit``) the
+        ``load`` choice if the request fits there under the current maximum (it raises no
+        step now), else the ``score`` choice."""
         weight, capacity = self.params.lpt_count_weight, self.fleet.capacity
         while self.waiting and self.total_free > 0:
             candidates = self.waiting[: self.params.stage1_candidates]
             pos = int(np.argmax(self.sizes[candidates]))  # first maximum: the earliest
-            if by_score:
-                worker = self._best_worker(candidates[pos])
-            else:
-                key = self.table.loads[:, 0] + weight * (capacity - self.free)
-                worker = int(np.argmin(np.where(self.free > 0, key, np.inf)))
+            index = candidates[pos]
+            key = self.table.loads[:, 0] + weight * (capacity - self.free)
+            worker = int(np.argmin(np.where(self.free > 0, key, np.inf)))
+            if placement == "score" or (placement == "fit"
+                                        and not self._fits_now(worker, index)):
+                worker = self._best_worker(index)
             self.admit(worker, self.waiting.pop(pos))
             self.stats.stage1_admissions += 1
+
+    def _fits_now(self, worker: int, index: int) -> bool:
+        """Whether request ``index`` adds no more than ``worker``'s margin under the current
+        maximum at this step (step 0 of its row: its prompt)."""
+        added = self.rows[index][0] if self.rows is not None else self.sizes[index]
+        return bool(added <= self.table.current_margin(worker))
 
     def _best_worker(self, index: int) -> int:
         """The open worker where request ``index`` scores the highest F (ties: lower load,

@@ -277,9 +277,10 @@ def test_brh_places_a_short_pool_largest_first_by_default_and_best_pair_on_reque
     pool a = 350, b = 600 grows by one token a step (candidate rows). ``best-pair`` (the rule
     before 2026-12-01) takes a first (it fits worker 2 at every step, F = sum d (350 + h),
     against b's sum d (600 + h) - 3 sum d 100), then b overflows every worker and lands on
-    worker 2 too. The default ``lpt`` takes b first onto worker 2 (the only worker it does
-    not overflow by its whole size), then a overflows workers 0 and 1 by 250 and worker 2 by
-    its whole size: worker 0 (equal F and load with worker 1, the lower index)."""
+    worker 2 too. The default ``lpt-fit`` (and ``lpt``) takes b first onto worker 2 (it fits
+    nowhere now; worker 2 is the only worker it does not overflow by its whole size), then a
+    overflows workers 0 and 1 by 250 and worker 2 by its whole size: worker 0 (equal F and
+    load with worker 1, the lower index)."""
     fleet = FleetView(4, np.array([500.0, 500.0, 0.0]), np.array([1, 1, 0]),
                       np.array([0, 1]), np.array([500.0, 500.0]),
                       active_c_hat=np.array([10.0, 10.0]))
@@ -312,6 +313,31 @@ def test_lpt_load_places_a_short_pool_as_br0_even_where_the_lookahead_disagrees(
     assert [a.worker for a in route_round(
         fleet, pool, replace(params, short_pool="lpt-load"))[0]] == [1]
     assert [a.worker for a in route_round(fleet, pool, BalanceRouteParams.br0())[0]] == [1]
+
+
+def test_lpt_fit_lets_the_lookahead_move_only_a_request_that_overflows_now():
+    """Loads 500, 400, 450, one request each; worker 0's ends after this step (c_hat 1), the
+    others run through the window (the example above). ``lpt-fit`` takes the least-loaded
+    open worker (worker 1, margin 100 now) for a request that fits there now, and the best F
+    for one that does not. A = 80 fits worker 1 now but overflows it from step 1 (the
+    envelope falls to 450 + h when worker 0 empties: margin 50): ``lpt`` (best F) moves it
+    to worker 0, ``lpt-fit`` keeps it on worker 1. A = 300 overflows worker 1 now: both take
+    worker 0, where it overflows only at step 0."""
+    fleet = FleetView(4, np.array([500.0, 400.0, 450.0]), np.array([1, 1, 1]),
+                      np.array([0, 1, 2]), np.array([500.0, 400.0, 450.0]),
+                      active_c_hat=np.array([1.0, 10.0, 10.0]))
+    params = BalanceRouteParams(horizon=10, gamma=0.9)
+    fit = replace(params, short_pool="lpt-fit")
+    small, large = [WaitingRequest("a", 80)], [WaitingRequest("a", 300)]
+    for reference in (None, True):
+        assert [a.worker for a in route_round(fleet, small, replace(params, short_pool="lpt"),
+                                              reference=reference)[0]] == [0]
+        assert [a.worker for a in route_round(fleet, small, fit, reference=reference)[0]] == [1]
+        assert [a.worker for a in route_round(fleet, small, params,  # the default
+                                              reference=reference)[0]] == [1]
+        assert [a.worker for a in route_round(fleet, large, fit, reference=reference)[0]] == [0]
+        assert [a.worker for a in route_round(fleet, large, replace(params, short_pool="lpt"),
+                                              reference=reference)[0]] == [0]
 
 
 def test_lpt_count_weight_prefers_the_worker_with_fewer_active_requests():

@@ -219,9 +219,11 @@ class BalanceRouteParams:
         """The Stage-1 rule of a round, and whether it runs until every slot is used (a short
         pool under ``auto``, ``auto-pair`` or ``lpt``) instead of down to ``s_greedy``.
         ``lpt`` places the largest first onto the least-loaded open worker, ``lpt-f`` onto
-        the open worker where BR-H's F is highest. ``learned``: the round's projected loads
-        carry a learned law's spread; BR-H under ``auto`` then places a short pool as BR-0
-        does (``lpt``) unless ``learned_short_pool``, else by ``short_pool``."""
+        the open worker where BR-H's F is highest, ``lpt-fit`` onto the least-loaded one if
+        it fits there under the current maximum, else as ``lpt-f``. ``learned``: the
+        round's projected loads carry a learned law's spread; BR-H under ``auto`` then
+        places a short pool as BR-0 does (``lpt``) unless ``learned_short_pool``, else by
+        ``short_pool``."""
         if self.stage1 == "paper" or self.stage1 == "best-pair":
             return self.stage1, False
         if not short_pool:

@@ -134,7 +134,8 @@ class BalanceRouteParams:
             places a short pool (true lengths, or a learned law with
             ``learned_short_pool``), the largest waiting request first (ties: the earliest)
             in every rule but ``best-pair``: ``lpt-fit`` (default, since 2026-12-01) onto
-            the least-loaded open worker (BR-0's choice) if it fits there under the current
+            BR-0's ``lpt`` worker (the least-loaded open one at the default
+            ``lpt_count_weight`` 0) if it fits there under the current
             maximum, else onto the open worker where its F is highest: the lookahead moves
             only a request that raises the maximum now wherever BR-0 puts it (the departures
             it sees are mostly refilled before they matter; see the README); ``lpt`` onto

@@ -1,9 +1,9 @@
 """BR-H with true lengths (``brh-oracle``) against BR-0 under variants of the method.
 
     python tools/oracle_eval.py matrix --json rows.jsonl --seeds 0 --requests 10000 \
-        --variant lpt= --variant best-pair=short_pool=best-pair
+        --variant lpt=short_pool=lpt --variant best-pair=short_pool=best-pair
     python tools/oracle_eval.py families --json fam.jsonl --output-means 30,60,120,250,600 \
-        --prompt-means 1000,6000 --loads 0.8,1.0 --workers 4,8 --variant lpt= ...
+        --prompt-means 1000,6000 --loads 0.8,1.0 --workers 4,8 --variant lpt=short_pool=lpt ...
     python tools/oracle_eval.py table --json rows.jsonl
 
 ``matrix``: the bundled and shared traces (Azure conversation, Mooncake conversation,

@@ -53,8 +53,8 @@ def test_rest_comparison_equals_the_cli(tmp_path):
 
 def test_rest_comparison_takes_the_short_pool_rule_as_the_cli_does(tmp_path):
     """``short_pool`` reaches BR-H as ``--short-pool`` does: the REST rows with
-    ``best-pair`` equal the CLI's with ``--short-pool best-pair`` (and differ from the
-    default's: below saturation the two rules place short pools differently)."""
+    ``best-pair`` equal the CLI's with ``--short-pool best-pair`` (and differ from ``lpt``'s:
+    below saturation the two rules place short pools differently)."""
     content = csv_trace(n=400, seed=5)
     (tmp_path / "t.csv").write_text(content)
     rows = {}

@@ -335,6 +335,10 @@ def test_lpt_fit_lets_the_lookahead_move_only_a_request_that_overflows_now():
         assert [a.worker for a in route_round(fleet, small, fit, reference=reference)[0]] == [1]
         assert [a.worker for a in route_round(fleet, small, params,  # the default
                                               reference=reference)[0]] == [1]
+        exact = [WaitingRequest("a", 100)]  # exactly worker 1's margin now: it fits
+        assert [a.worker for a in route_round(fleet, exact, fit, reference=reference)[0]] == [1]
+        assert [a.worker for a in route_round(fleet, exact, replace(params, short_pool="lpt"),
+                                              reference=reference)[0]] == [0]
         assert [a.worker for a in route_round(fleet, large, fit, reference=reference)[0]] == [0]
         assert [a.worker for a in route_round(fleet, large, replace(params, short_pool="lpt"),
                                               reference=reference)[0]] == [0]
@@ -353,7 +357,8 @@ def test_lpt_count_weight_prefers_the_worker_with_fewer_active_requests():
 
 
 def test_brh_lpt_places_the_largest_where_its_lookahead_scores_best():
-    """``stage1="lpt"`` with BR-H, and ``auto`` (its default ``short_pool="lpt"``) alike."""
+    """``stage1="lpt"`` with BR-H, and ``auto`` (its default ``short_pool="lpt-fit"``, where
+    the request of 300 does not fit the least-loaded worker now) alike."""
     # Loads 500, 400, 450, one request each; worker 0's ends after this step (c_hat 1), the
     # others run through the window. A request of 300 (short pool): BR-0's lpt takes the least
     # loaded now (worker 1); BR-H's F sees worker 0 empty from step 1 on (margin 450 + h
@@ -469,13 +474,14 @@ def test_a_short_pool_with_a_learned_law_is_placed_as_br0_places_it():
     assert [a.worker for a in route_round(learned, pool, lookahead)[0]] == [0]
     # Two requests, a = 350 and b = 600: under a learned law short_pool is ignored (BR-0's
     # lpt: b onto worker 1, the least loaded, then a onto worker 2, now the least loaded);
-    # with learned_short_pool it decides: lpt by F takes b first onto worker 0 (nearly empty
-    # from step 1 on), then a onto worker 1; best-pair takes a first (it fits worker 0), then
-    # b onto worker 1.
+    # with learned_short_pool it decides: lpt-fit (the default) takes b first and, as b does
+    # not fit worker 1 (margin 100) now, by F onto worker 0 (nearly empty from step 1 on),
+    # then a, which fits worker 1 under the new maximum, onto worker 1 (lpt by F alike);
+    # best-pair takes a first (it fits worker 0), then b onto worker 1.
     two = [WaitingRequest("a", 350), WaitingRequest("b", 600)]
     as_br0 = [(a.pool_index, a.worker) for a in route_round(learned, two,
                                                             BalanceRouteParams.br0())[0]]
-    for rule in ("lpt", "best-pair", "lpt-load"):
+    for rule in ("lpt-fit", "lpt", "best-pair", "lpt-load"):
         got = route_round(learned, two, replace(params, short_pool=rule))[0]
         assert [(a.pool_index, a.worker) for a in got] == as_br0
     by_f = [(a.pool_index, a.worker) for a in route_round(learned, two, lookahead)[0]]

@@ -525,7 +525,7 @@ class _Round:
         loads = self.table.loads[:, 0]
         if rule not in ("lpt", "best-pair", "paper") or not fastpath.applies(
                 params.horizon, self.rows, loads, self.sizes):
-            return False  # lpt-f (BR-H's F) has no fast path
+            return False  # lpt-f and lpt-fit (BR-H's F) have no fast path
         self.exact = True  # the fast path applies to this round (checked once)
         window = fastpath.Window(self.sizes, self.waiting, params.stage1_candidates)
         if rule == "lpt":
@@ -601,19 +601,21 @@ class _Round:
             candidates = self.waiting[: self.params.stage1_candidates]
             pos = int(np.argmax(self.sizes[candidates]))  # first maximum: the earliest
             index = candidates[pos]
-            key = self.table.loads[:, 0] + weight * (capacity - self.free)
-            worker = int(np.argmin(np.where(self.free > 0, key, np.inf)))
-            if placement == "score" or (placement == "fit"
-                                        and not self._fits_now(worker, index)):
+            if placement == "score":
                 worker = self._best_worker(index)
+            else:
+                key = self.table.loads[:, 0] + weight * (capacity - self.free)
+                worker = int(np.argmin(np.where(self.free > 0, key, np.inf)))
+                if placement == "fit" and not self._fits_now(worker, index):
+                    worker = self._best_worker(index)
             self.admit(worker, self.waiting.pop(pos))
             self.stats.stage1_admissions += 1
 
     def _fits_now(self, worker: int, index: int) -> bool:
         """Whether request ``index`` adds no more than ``worker``'s margin under the current
-        maximum at this step (step 0 of its row: its prompt)."""
-        added = self.rows[index][0] if self.rows is not None else self.sizes[index]
-        return bool(added <= self.table.current_margin(worker))
+        maximum at this step (it adds its prompt at step 0, candidate rows included:
+        :func:`router_client.fscore.candidate_rows` keeps every candidate alive there)."""
+        return bool(self.sizes[index] <= self.table.current_margin(worker))
 
     def _best_worker(self, index: int) -> int:
         """The open worker where request ``index`` scores the highest F (ties: lower load,

@@ -92,7 +92,8 @@ def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
     comparison = abtest.run_comparison(
         trace, request["policies"], request["workers"], _config(request), progress,
         params=BalanceRouteParams(stage1=request["stage1"],
-                                  short_pool=request["short_pool"]))
+                                  short_pool=request["short_pool"],
+                                  stage2_order=request["stage2_order"]))
     return comparison.rows
 
 

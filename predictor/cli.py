@@ -13,7 +13,12 @@ from importlib.resources import files
 from pathlib import Path
 
 from proxy.cli import add_commands as add_serving_commands
-from router_client.admission import SHORT_POOL_RULES, STAGE1_RULES, BalanceRouteParams
+from router_client.admission import (
+    SHORT_POOL_RULES,
+    STAGE1_RULES,
+    STAGE2_ORDERS,
+    BalanceRouteParams,
+)
 from router_client.errors import BalanceRouteError, ParameterError
 from router_client.predictors import Predictor
 from router_client.projection import END_POINTS
@@ -155,6 +160,11 @@ def _add_ab(sub) -> None:
                     "largest first onto the least-loaded open worker (lpt) and BR-H places it by "
                     "--short-pool; the paper's most-free-slots rule at "
                     "saturation), paper, best-pair, lpt, auto-pair (best pair on a short pool)")
+    ab.add_argument("--stage2-order", default=BalanceRouteParams.stage2_order,
+                    choices=list(STAGE2_ORDERS),
+                    help="the order in which Stage 2 takes workers with free slots, BR-0 and "
+                    "BR-H: slots (most free slots first, then the widest margin; the paper's) or "
+                    f"margin (the widest margin first); default {BalanceRouteParams.stage2_order}")
     ab.add_argument("--out", type=Path, default=None, help="directory for CSV and PNG plots")
     ab.add_argument("--json", type=Path, default=None, help="write the result rows here")
     ab.add_argument("--predictor-url", default=None,
@@ -324,7 +334,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   end_points=args.end_points,
                                   expected_overflow=args.expected_overflow,
                                   learned_short_pool=args.learned_short_pool,
-                                  short_pool=args.short_pool),
+                                  short_pool=args.short_pool,
+                                  stage2_order=args.stage2_order),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

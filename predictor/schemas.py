@@ -22,7 +22,7 @@ from pydantic import (
 )
 from typing_extensions import TypedDict
 
-from router_client.admission import BalanceRouteParams, ShortPoolRule, Stage1Rule
+from router_client.admission import BalanceRouteParams, ShortPoolRule, Stage1Rule, Stage2Order
 from router_client.traces import key_of_text
 
 from .estimators import estimator_names
@@ -364,6 +364,11 @@ class AbComparisonIn(ReplayIn):
         "(default: largest first onto BR-0's worker if it fits there under the current "
         "maximum, else onto the best F), lpt (largest first onto the best F), lpt-load (as "
         "BR-0), best-pair (the best pair by F)")
+    stage2_order: Stage2Order = Field(
+        BalanceRouteParams.stage2_order,
+        description="the order in which Stage 2 takes workers with free slots, BR-0 and BR-H: "
+        "slots (most free slots first, then the widest margin; the paper's) or margin (the "
+        "widest margin first)")
     source: Literal["observations"] | None = Field(
         None, description="replay the service's own stored observations")
     trace: TraceIn | None = None

@@ -60,6 +60,8 @@ Stage1Rule = Literal["auto", "paper", "best-pair", "lpt", "auto-pair"]
 STAGE1_RULES: tuple[str, ...] = get_args(Stage1Rule)
 ShortPoolRule = Literal["lpt-fit", "lpt", "lpt-load", "best-pair"]
 SHORT_POOL_RULES: tuple[str, ...] = get_args(ShortPoolRule)
+Stage2Order = Literal["slots", "margin"]
+STAGE2_ORDERS: tuple[str, ...] = get_args(Stage2Order)
 AUTO_SHORT_POOL: Literal["lpt", "best-pair"] = "lpt"  # BR-0's short-pool rule in auto (README)
 # BR-H's Stage-1 rule on a short pool under auto, by its ``short_pool`` setting
 _SHORT_POOL_STAGE1: dict[str, Literal["best-pair", "lpt", "lpt-f", "lpt-fit"]] = {
@@ -164,6 +166,8 @@ class BalanceRouteParams:
     expected_overflow: bool = True
     learned_short_pool: bool = False
     short_pool: ShortPoolRule = "lpt-fit"
+    stage2_order: Stage2Order = "slots"
+    fit_horizon: float | None = None
 
     def __post_init__(self) -> None:
         if self.horizon < 0:
@@ -190,6 +194,10 @@ class BalanceRouteParams:
             raise ParameterError("stage1", f"must be one of {', '.join(STAGE1_RULES)}")
         if self.short_pool not in SHORT_POOL_RULES:
             raise ParameterError("short_pool", f"must be one of {', '.join(SHORT_POOL_RULES)}")
+        if self.fit_horizon is not None and not self.fit_horizon >= 1.0:
+            raise ParameterError("fit_horizon", "must be >= 1 step (or None: never)")
+        if self.stage2_order not in STAGE2_ORDERS:
+            raise ParameterError("stage2_order", f"must be one of {', '.join(STAGE2_ORDERS)}")
         if not self.lpt_count_weight >= 0:
             raise ParameterError("lpt_count_weight", "must be >= 0")
 
@@ -255,6 +263,7 @@ class BalanceRouteParams:
             stage1_candidates=self.stage1_candidates,
             stage1=self.stage1,
             lpt_count_weight=self.lpt_count_weight,
+            stage2_order=self.stage2_order,
         )
 
 
@@ -559,7 +568,7 @@ class _Round:
             return False
         done = fastpath.stage2_br0(loads, self.free, self.sizes, self.waiting,
                                    self.params.effective_r_max(self.fleet.workers),
-                                   self.table.beta)
+                                   self.table.beta, self.params.stage2_order)
         for index, worker, guard in done.admitted:
             self.out.append(Assignment(index, worker, guard))
             self.stats.stage2_admissions += 1
@@ -597,6 +606,8 @@ class _Round:
         ``load`` choice if the request fits there under the current maximum (it raises no
         step now), else the ``score`` choice."""
         weight, capacity = self.params.lpt_count_weight, self.fleet.capacity
+        if placement == "fit" and self._long_view():
+            placement = "score"
         while self.waiting and self.total_free > 0:
             candidates = self.waiting[: self.params.stage1_candidates]
             pos = int(np.argmax(self.sizes[candidates]))  # first maximum: the earliest
@@ -610,6 +621,15 @@ class _Round:
                     worker = self._best_worker(index)
             self.admit(worker, self.waiting.pop(pos))
             self.stats.stage1_admissions += 1
+
+    def _long_view(self) -> bool:
+        """Whether this round's effective horizon ``1 / (1 - gamma)`` reaches
+        ``params.fit_horizon`` steps (then ``lpt-fit`` places by F, as ``lpt``)."""
+        limit = self.params.fit_horizon
+        if limit is None or self.params.horizon <= 0:
+            return False
+        gamma = float(self.table.d[1])
+        return gamma >= 1.0 or 1.0 / (1.0 - gamma) >= limit
 
     def _fits_now(self, worker: int, index: int) -> bool:
         """Whether request ``index`` adds no more than ``worker``'s margin under the current
@@ -629,10 +649,15 @@ class _Round:
         return int(open_workers[order[0]])
 
     def stage2(self) -> None:
+        """Workers with free slots in ``params.stage2_order`` (``slots``: most free slots,
+        then the widest margin, then index; ``margin``: the widest margin, then index), each
+        the best subset of the first ``r_max`` waiting requests, or the starvation guard's
+        single request where no subset scores above 0."""
         if not self.waiting or self.total_free <= 0:
             return
         free, table = self.free, self.table
-        heap = [(-int(free[g]), -table.current_margin(g), g)
+        by_slots = self.params.stage2_order == "slots"
+        heap = [(-int(free[g]) if by_slots else 0, -table.current_margin(g), g)
                 for g in range(self.fleet.workers) if free[g] > 0]
         heapq.heapify(heap)
         while heap and self.waiting:

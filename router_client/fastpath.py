@@ -257,14 +257,17 @@ class Stage2Result:
 
 
 def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: list[int],
-               r_max: int, beta: float) -> Stage2Result:
+               r_max: int, beta: float, order_by: str = "slots") -> Stage2Result:
     """The reference's Stage 2 at H = 0 on scalar state: workers by (most free slots, widest
-    margin, index), each the exact best subset of the first ``r_max`` waiting requests
+    margin, index) (``order_by="slots"``) or by (widest margin, index) (``"margin"``), each
+    the exact best subset of the first ``r_max`` waiting requests
     (:func:`router_client.subset.best_subset`, peak at the margin), starvation guard alike."""
     load = loads.astype(np.float64).tolist()
     envelope = max(load)
     slots = free.tolist()
-    order = sorted((-slots[g], -(envelope - load[g]), g) for g in np.flatnonzero(free > 0).tolist())
+    by_slots = order_by == "slots"
+    order = sorted((-slots[g] if by_slots else 0, -(envelope - load[g]), g)
+                   for g in np.flatnonzero(free > 0).tolist())
     admitted: list[tuple[int, int, bool]] = []
     for _, _, worker in order:
         if not waiting:

@@ -75,6 +75,34 @@ def test_rest_comparison_takes_the_short_pool_rule_as_the_cli_does(tmp_path):
     assert rows["lpt"] != rows["best-pair"]
 
 
+def test_rest_comparison_takes_the_stage2_order_as_the_cli_does(tmp_path):
+    """``stage2_order`` reaches BR-0 and BR-H as ``--stage2-order`` does: the REST rows with
+    ``margin`` equal the CLI's (and differ from ``slots``'s at backlog, where Stage 2
+    decides: short outputs free several slots a step)."""
+    trace = synthesize("synth:long:n=400,seed=5,output_mean=20,prompt_mean=800")
+    content = "arrival_s,prompt_tokens,output_tokens\n" + "".join(
+        f"{a:.6f},{p},{o}\n" for a, p, o in zip(trace.arrival_s, trace.prompt_tokens,
+                                                trace.output_tokens, strict=True))
+    (tmp_path / "t.csv").write_text(content)
+    rows = {}
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'so.db'}"))) as c:
+        for order in ("slots", "margin"):
+            body = {"policies": ["br0", "brh-oracle"], "workers": [4], "batch": 8,
+                    "load": "backlog", "stage2_order": order,
+                    "trace": {"format": "csv", "content": content}}
+            job = wait(c, c.post("/v1/ab-comparisons", json=body).json()["id"])
+            assert job["status"] == "done", job
+            rows[order] = job["results"]
+    main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "br0,brh-oracle",
+          "--workers", "4", "--batch", "8", "--load", "backlog", "--stage2-order", "margin",
+          "--quiet", "--json", str(tmp_path / "cli.json")])
+    cli = json.loads((tmp_path / "cli.json").read_text())
+    for row in cli + rows["margin"] + rows["slots"]:
+        row.pop("sim_wall_s")
+    assert rows["margin"] == cli
+    assert rows["slots"][0] != rows["margin"][0]
+
+
 def test_replaying_the_services_own_observations(tmp_path):
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'obs.db'}")
     with TestClient(create_app(settings)) as c:
@@ -100,6 +128,7 @@ def test_replaying_the_services_own_observations(tmp_path):
     ({"source": "observations", "load": 0}, "load"),
     ({"source": "observations", "workers": [0]}, "workers"),
     ({"source": "observations", "short_pool": "largest"}, "short_pool"),
+    ({"source": "observations", "stage2_order": "load"}, "stage2_order"),
     ({"trace": {"format": "csv",
                 "content": "arrival_s,prompt_tokens,output_tokens\n0,1,2\n1,x,3\n"}},
      "line 3"),

@@ -399,6 +399,32 @@ def test_stage2_and_starvation_guard():
     assert all(a.starvation_guard for a in got)
 
 
+@pytest.mark.parametrize("horizon", [0, 80])
+def test_stage2_order_decides_which_worker_chooses_first(horizon):
+    # G = 3, B = 4: worker 2 full at the envelope (100); worker 0 at 90 with 2 free slots
+    # (margin 10), worker 1 at 88 with 1 free slot (margin 12). Four waiting requests: not a
+    # short pool, and 3 free slots <= s_greedy, so Stage 2 alone decides.
+    worker = np.array([0, 0, 1, 1, 1, 2, 2, 2, 2])
+    size = np.array([45.0, 45.0, 30.0, 29.0, 29.0, 25.0, 25.0, 25.0, 25.0])
+    c_hat = np.full(worker.size, 80.0) if horizon else None
+    fleet = FleetView.from_active(3, 4, worker, size, c_hat)
+    pool = [WaitingRequest(i, s) for i, s in enumerate([10, 4, 40, 40])]
+    if horizon:
+        fleet = replace(fleet, pool_c_hat=np.full(len(pool), 80.0))
+    placed = {}
+    for order in ("slots", "margin"):
+        params = BalanceRouteParams(horizon=horizon, alpha=1.0, gamma=0.5,
+                                    stage2_order=order) if horizon else \
+            BalanceRouteParams.br0(stage2_order=order)
+        got, stats = route_round(fleet, pool, params)
+        assert stats.stage1_admissions == 0
+        placed[order] = {a.pool_index: a.worker for a in got}
+    # slots: worker 0 (two free slots) chooses first and takes the 10 (F 10; 10 + 4 would
+    # overflow by 4: 14 - 3 * 4 = 2), worker 1 the 4; margin: worker 1 (margin 12) first
+    assert placed["slots"] == {0: 0, 1: 1}
+    assert placed["margin"] == {0: 1, 1: 0}
+
+
 @pytest.mark.parametrize(
     "policy, loads, counts, want",
     [

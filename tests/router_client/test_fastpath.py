@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router_client import admission
-from router_client.admission import STAGE1_RULES, BalanceRouteParams, route_round
+from router_client.admission import STAGE1_RULES, STAGE2_ORDERS, BalanceRouteParams, route_round
 from router_client.fleet import FleetView, WaitingRequest
 from router_client.fscore import MarginTable, discounts
 from router_client.policies import make_policy
@@ -38,16 +38,16 @@ def fleet_and_pool(seed, workers, capacity, pool_size, size_range, free_share=No
        pool_size=st.integers(0, 60), size_range=st.sampled_from([3, 20, 6000]),
        stage1=st.sampled_from(STAGE1_RULES), s_greedy=st.integers(0, 8),
        candidates=st.sampled_from([1, 3, 1024]), r_max=st.integers(1, 6),
-       count_weight=st.sampled_from([0.0, 1.0, 7.0, 0.3]))
+       count_weight=st.sampled_from([0.0, 1.0, 7.0, 0.3]), order=st.sampled_from(STAGE2_ORDERS))
 def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_size,
                                                  size_range, stage1, s_greedy, candidates,
-                                                 r_max, count_weight):
+                                                 r_max, count_weight, order):
     # small size ranges force ties in F, in load and in size (and, with a count weight, in
     # load + weight * active requests)
     fleet, pool = fleet_and_pool(seed, workers, capacity, pool_size, size_range)
     params = BalanceRouteParams.br0(stage1=stage1, s_greedy=s_greedy,
                                     stage1_candidates=candidates, r_max=r_max,
-                                    lpt_count_weight=count_weight)
+                                    lpt_count_weight=count_weight, stage2_order=order)
     want, want_stats = route_round(fleet, pool, params, reference=True)
     got, got_stats = route_round(fleet, pool, params, reference=False)
     assert got == want
@@ -55,12 +55,13 @@ def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_s
     assert got_stats.starvation_guard_admissions == want_stats.starvation_guard_admissions
 
 
-@pytest.mark.parametrize("stage1", ["auto", "auto-pair"])
+@pytest.mark.parametrize(("stage1", "order"),
+                         [("auto", "slots"), ("auto-pair", "slots"), ("auto", "margin")])
 @pytest.mark.parametrize(("load", "workers"), [("backlog", 4), (0.8, 8), (1.0, 3)])
-def test_ab_rows_unchanged_by_the_fast_path(monkeypatch, load, workers, stage1):
+def test_ab_rows_unchanged_by_the_fast_path(monkeypatch, load, workers, stage1, order):
     trace = synthesize("synth:long:n=600,seed=3")
     config = SimConfig(workers=workers, batch=8, load=load, seed=1)
-    params = BalanceRouteParams.br0(stage1=stage1)
+    params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order)
     fast = simulate(trace, make_policy("br0", params=params), config).row
     monkeypatch.setattr(admission, "FAST_PATH", False)
     slow = simulate(trace, make_policy("br0", params=params), config).row
@@ -84,13 +85,14 @@ def test_fast_stage1_breaks_ties_between_the_two_sides_like_the_reference(stage1
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), free_share=st.sampled_from([0.002, 0.01, 0.03]),
        pool_size=st.sampled_from([300, 4096]), size_range=st.sampled_from([4, 50, 6000]),
-       stage1=st.sampled_from(STAGE1_RULES))
-def test_fast_path_same_decisions_at_g256(seed, free_share, pool_size, size_range, stage1):
+       stage1=st.sampled_from(STAGE1_RULES), order=st.sampled_from(STAGE2_ORDERS))
+def test_fast_path_same_decisions_at_g256(seed, free_share, pool_size, size_range, stage1,
+                                          order):
     # the bench's scale: G = 256, B = 64, pool 4096 (a round reads only its head), or a pool
     # shorter than the free slots (about 330 or 490 at the larger shares: auto is lpt);
     # small size ranges force ties in F, load and size
     fleet, pool = fleet_and_pool(seed, 256, 64, pool_size, size_range, free_share)
-    params = BalanceRouteParams.br0(stage1=stage1)
+    params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order)
     want, want_stats = route_round(fleet, pool, params, reference=True)
     got, got_stats = route_round(fleet, pool, params, reference=False)
     assert got == want

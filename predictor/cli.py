@@ -207,6 +207,10 @@ def _add_learned_flags(ab: argparse.ArgumentParser) -> None:
                     "where its F is highest), lpt (largest first, where its F is highest), "
                     "lpt-load (largest first onto the least-loaded, as BR-0), best-pair (the "
                     "best (worker, request) pair by F)")
+    ab.add_argument("--fit-horizon", type=float, default=BalanceRouteParams.fit_horizon,
+                    help="with --short-pool lpt-fit: a round whose effective horizon "
+                    "1 / (1 - gamma) reaches this many steps places the short pool by F, as "
+                    "lpt (default: never; measured, see the README)")
 
 
 def _add_tune(sub) -> None:
@@ -335,7 +339,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   expected_overflow=args.expected_overflow,
                                   learned_short_pool=args.learned_short_pool,
                                   short_pool=args.short_pool,
-                                  stage2_order=args.stage2_order),
+                                  stage2_order=args.stage2_order,
+                                  fit_horizon=args.fit_horizon),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

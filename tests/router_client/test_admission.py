@@ -344,6 +344,23 @@ def test_lpt_fit_lets_the_lookahead_move_only_a_request_that_overflows_now():
                                               reference=reference)[0]] == [0]
 
 
+def test_fit_horizon_lets_lpt_fit_place_by_f_where_the_round_looks_far_enough():
+    """The fleet above at gamma 0.9: an effective horizon 1 / (1 - gamma) of 10 steps. With
+    ``fit_horizon`` 9.5 the round looks far enough and ``lpt-fit`` places by F as ``lpt``
+    does (A = 80 onto worker 0); with 10.5, or unset, it keeps BR-0's worker 1."""
+    fleet = FleetView(4, np.array([500.0, 400.0, 450.0]), np.array([1, 1, 1]),
+                      np.array([0, 1, 2]), np.array([500.0, 400.0, 450.0]),
+                      active_c_hat=np.array([1.0, 10.0, 10.0]))
+    small = [WaitingRequest("a", 80)]
+    for limit, want in ((9.5, 0), (10.5, 1), (None, 1)):
+        params = BalanceRouteParams(horizon=10, gamma=0.9, fit_horizon=limit)
+        for reference in (None, True):
+            assert [a.worker for a in route_round(fleet, small, params,
+                                                  reference=reference)[0]] == [want]
+    with pytest.raises(ParameterError, match="fit_horizon"):
+        BalanceRouteParams(fit_horizon=0.5)
+
+
 def test_lpt_count_weight_prefers_the_worker_with_fewer_active_requests():
     # loads 500, 500, 0 with 3, 1 and 0 active requests; weight 10: keys 530, 510, 0
     fleet = FleetView(4, np.array([500.0, 500.0, 0.0]), np.array([3, 1, 0]),

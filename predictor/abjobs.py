@@ -93,7 +93,8 @@ def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
         trace, request["policies"], request["workers"], _config(request), progress,
         params=BalanceRouteParams(stage1=request["stage1"],
                                   short_pool=request["short_pool"],
-                                  stage2_order=request["stage2_order"]))
+                                  stage2_order=request["stage2_order"],
+                                  stage2_fill=request["stage2_fill"]))
     return comparison.rows
 
 

@@ -165,6 +165,12 @@ def _add_ab(sub) -> None:
                     help="the order in which Stage 2 takes workers with free slots, BR-0 and "
                     "BR-H: slots (most free slots first, then the widest margin; the paper's) or "
                     f"margin (the widest margin first); default {BalanceRouteParams.stage2_order}")
+    ab.add_argument("--stage2-fill", action=argparse.BooleanOptionalAction,
+                    default=BalanceRouteParams.stage2_fill,
+                    help="Stage 2 takes, for each worker, the most waiting requests that fit "
+                    "under the current maximum together (then the largest total, or BR-H's best "
+                    "F), and the best F only where none fits (BF-IO's subset rule); default "
+                    "--no-stage2-fill: the best F always (the paper's)")
     ab.add_argument("--out", type=Path, default=None, help="directory for CSV and PNG plots")
     ab.add_argument("--json", type=Path, default=None, help="write the result rows here")
     ab.add_argument("--predictor-url", default=None,
@@ -340,6 +346,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   learned_short_pool=args.learned_short_pool,
                                   short_pool=args.short_pool,
                                   stage2_order=args.stage2_order,
+                                  stage2_fill=args.stage2_fill,
                                   fit_horizon=args.fit_horizon),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "

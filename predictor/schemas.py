@@ -367,8 +367,13 @@ class AbComparisonIn(ReplayIn):
     stage2_order: Stage2Order = Field(
         BalanceRouteParams.stage2_order,
         description="the order in which Stage 2 takes workers with free slots, BR-0 and BR-H: "
-        "slots (most free slots first, then the widest margin; the paper's) or margin (the "
-        "widest margin first)")
+        "slots (most free slots first, then the widest margin; the paper's, the default) or "
+        "margin (the widest margin first)")
+    stage2_fill: bool = Field(
+        BalanceRouteParams.stage2_fill,
+        description="Stage 2 takes for each worker the most waiting requests that fit under "
+        "the current maximum together, and the best F only where none fits (BF-IO's subset "
+        "rule); false (default): the best F always (the paper's)")
     source: Literal["observations"] | None = Field(
         None, description="replay the service's own stored observations")
     trace: TraceIn | None = None

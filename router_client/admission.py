@@ -24,8 +24,11 @@ Stage 1, while the free slots ``S_tot`` exceed ``s_greedy``, admits one request 
     were the rules before, see the README), and as BR-0 does with a learned predictor's
     law unless ``learned_short_pool``.
 Stage 2, when ``S_tot <= s_greedy``: workers with free slots are taken in order of free slots,
-then margin (most first); each takes the subset of the first ``r_max`` waiting requests, of
-size at most its free slots, that maximizes F (:mod:`router_client.subset`).
+then margin (most first; ``stage2_order="margin"``: the widest margin first); each takes the
+subset of the first ``r_max`` waiting requests, of size at most its free slots, that maximizes
+F (:mod:`router_client.subset`); with ``stage2_fill=True`` (BF-IO's subset rule, an option)
+the most requests that fit together under the current maximum (then the largest total; BR-H:
+the highest F among them), the F-best subset only where none fits.
 Starvation guard: if the best F is not positive, the single best request is admitted anyway.
 
 BR-H scores a candidate by the work it really adds (``candidate_life``, default): ``s + h`` at
@@ -147,6 +150,18 @@ class BalanceRouteParams:
             (worker, request) pair with the highest F, the rule before 2026-12-01, which
             places the requests that fit first and the large ones last (shortest-first list
             scheduling: it lost to BR-0 below saturation, see the README).
+        stage2_order: the order in which Stage 2 takes workers with free slots: ``slots``
+            (default, the paper's) the most free slots first, then the widest margin, then
+            index; ``margin`` the widest margin first (the least-loaded worker chooses first).
+        stage2_fill: Stage 2 takes, for a worker, the most requests whose total fits under its
+            margin now (the largest such total; BR-H: the highest F among them) and the F-best
+            subset only where no request fits (BF-IO's subset rule). ``False`` (default, the
+            paper's): the F-best subset always, which may take one large request that
+            overflows over a small one that fits, or leave a free slot empty. Measured, not
+            adopted (it helps BR-0 more than BR-H; see the README).
+        fit_horizon: with ``short_pool="lpt-fit"``, a round whose effective horizon
+            ``1 / (1 - gamma)`` reaches this many steps places its short pool by F, as
+            ``lpt`` (None, default: never; measured, not adopted, see the README).
     """
 
     horizon: int = 80
@@ -167,6 +182,7 @@ class BalanceRouteParams:
     learned_short_pool: bool = False
     short_pool: ShortPoolRule = "lpt-fit"
     stage2_order: Stage2Order = "slots"
+    stage2_fill: bool = False
     fit_horizon: float | None = None
 
     def __post_init__(self) -> None:
@@ -264,6 +280,7 @@ class BalanceRouteParams:
             stage1=self.stage1,
             lpt_count_weight=self.lpt_count_weight,
             stage2_order=self.stage2_order,
+            stage2_fill=self.stage2_fill,
         )
 
 
@@ -568,7 +585,8 @@ class _Round:
             return False
         done = fastpath.stage2_br0(loads, self.free, self.sizes, self.waiting,
                                    self.params.effective_r_max(self.fleet.workers),
-                                   self.table.beta, self.params.stage2_order)
+                                   self.table.beta, self.params.stage2_order,
+                                   self.params.stage2_fill)
         for index, worker, guard in done.admitted:
             self.out.append(Assignment(index, worker, guard))
             self.stats.stage2_admissions += 1
@@ -628,8 +646,10 @@ class _Round:
         limit = self.params.fit_horizon
         if limit is None or self.params.horizon <= 0:
             return False
-        gamma = float(self.table.d[1])
-        return gamma >= 1.0 or 1.0 / (1.0 - gamma) >= limit
+        gamma = float(self.table.d[1])  # the round's: fixed, or from the turnover
+        # 1 / (1 - gamma) >= limit, written as the turnover rule writes gamma (1 - 1 / steps)
+        # so that a horizon of exactly ``limit`` steps counts, whatever the rounding
+        return gamma >= 1.0 - 1.0 / limit - 1e-12
 
     def _fits_now(self, worker: int, index: int) -> bool:
         """Whether request ``index`` adds no more than ``worker``'s margin under the current
@@ -684,35 +704,47 @@ class _Round:
 
     def _subset(self, worker: int, candidates: list[int]) -> SubsetChoice | None:
         if self.rows is not None:
+            fit = self.table.current_margin(worker) if self.params.stage2_fill else None
             return _best_row_subset(self.rows[candidates], int(self.free[worker]),
-                                    partial(self.table.score_rows, worker), self.fast)
+                                    partial(self.table.score_rows, worker), self.fast, fit)
         return best_subset([int(self.sizes[i]) for i in candidates], int(self.free[worker]),
-                           partial(self.table.score, worker), self.table.peak(worker))
+                           partial(self.table.score, worker), self.table.peak(worker),
+                           fill_slots=self.params.stage2_fill)
 
 
 def _best_row_subset(
     rows: np.ndarray, max_count: int, score: Callable[[np.ndarray], np.ndarray],
-    fast: bool = False,
+    fast: bool = False, fit_margin: float | None = None,
 ) -> SubsetChoice | None:
     """The non-empty subset of at most ``max_count`` candidates (rows of added work) with the
     highest F; ties: smaller added work now, then more requests. Exhaustive while there are at
     most :data:`MAX_ENUMERATED_SUBSETS` subsets (``fast``: all sums in one numpy pass,
     :func:`router_client.fastpath.best_row_subset`), else greedy (add the best request while F
-    rises). ``total`` is the added work at step 0."""
+    rises). ``total`` is the added work at step 0. ``fit_margin`` (``stage2_fill``): where
+    some subset adds at most this much now, the most requests that do, then the highest F
+    (ties: smaller added work now); greedy: the best request that still fits while one does."""
     n = rows.shape[0]
     max_count = min(max_count, n)
     if max_count <= 0:
         return None
     count = sum(comb(n, j) for j in range(1, max_count + 1))
     if count <= MAX_ENUMERATED_SUBSETS and fast:
-        return fastpath.best_row_subset(rows, max_count, score)
+        return fastpath.best_row_subset(rows, max_count, score, fit_margin)
     if count <= MAX_ENUMERATED_SUBSETS:
         subsets = [c for j in range(1, max_count + 1) for c in combinations(range(n), j)]
         sums = np.stack([rows[list(c)].sum(axis=0) for c in subsets])
         values = score(sums)
-        best = min(range(len(subsets)),
-                   key=lambda q: (-float(values[q]), float(sums[q, 0]), -len(subsets[q])))
+        fitting = ([q for q in range(len(subsets)) if sums[q, 0] <= fit_margin]
+                   if fit_margin is not None else [])
+        if fitting:
+            best = min(fitting, key=lambda q: (-len(subsets[q]), -float(values[q]),
+                                               float(sums[q, 0])))
+        else:
+            best = min(range(len(subsets)),
+                       key=lambda q: (-float(values[q]), float(sums[q, 0]), -len(subsets[q])))
         return SubsetChoice(subsets[best], int(round(sums[best, 0])), float(values[best]))
+    if fit_margin is not None and rows[:, 0].min() <= fit_margin:
+        return _greedy_fitting(rows, max_count, score, fit_margin)
     chosen: list[int] = []
     current = np.zeros(rows.shape[1])
     value = float("-inf")
@@ -722,6 +754,26 @@ def _best_row_subset(
         k = int(np.argmax(values))
         if chosen and values[k] <= value:
             break
+        chosen.append(rest[k])
+        current = current + rows[rest[k]]
+        value = float(values[k])
+    return SubsetChoice(tuple(sorted(chosen)), int(round(current[0])), value)
+
+
+def _greedy_fitting(rows: np.ndarray, max_count: int, score: Callable[[np.ndarray], np.ndarray],
+                    fit_margin: float) -> SubsetChoice:
+    """Greedy ``stage2_fill`` past enumeration: add the highest-F request that keeps the
+    added work now within ``fit_margin`` while one does (at least one does)."""
+    chosen: list[int] = []
+    current = np.zeros(rows.shape[1])
+    value = float("-inf")
+    while len(chosen) < max_count:
+        rest = [i for i in range(rows.shape[0])
+                if i not in chosen and current[0] + rows[i, 0] <= fit_margin]
+        if not rest:
+            break
+        values = score(current[None, :] + rows[rest])
+        k = int(np.argmax(values))
         chosen.append(rest[k])
         current = current + rows[rest[k]]
         value = float(values[k])

@@ -166,11 +166,13 @@ class RouterClient:
         if not self.owns_policy:
             return False
         try:
+            # from the configured parameters, not the adopted ones: a BR-0 recommendation
+            # must not strip BR-H's own settings (short_pool, fit_horizon, ...) for the next
             if advice.get("policy") == "br0":
-                params = self.params.as_br0()
+                params = self.config.params.as_br0()
             elif advice.get("policy") == "brh":
                 beta = advice.get("beta")  # None: alpha * G
-                params = replace(self.params, horizon=int(advice["horizon"]),
+                params = replace(self.config.params, horizon=int(advice["horizon"]),
                                  beta=None if beta is None else float(beta),
                                  gamma=gamma_value(advice.get("gamma")))
             else:

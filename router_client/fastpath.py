@@ -257,11 +257,13 @@ class Stage2Result:
 
 
 def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: list[int],
-               r_max: int, beta: float, order_by: str = "slots") -> Stage2Result:
+               r_max: int, beta: float, order_by: str = "slots",
+               fill_slots: bool = False) -> Stage2Result:
     """The reference's Stage 2 at H = 0 on scalar state: workers by (most free slots, widest
     margin, index) (``order_by="slots"``) or by (widest margin, index) (``"margin"``), each
     the exact best subset of the first ``r_max`` waiting requests
-    (:func:`router_client.subset.best_subset`, peak at the margin), starvation guard alike."""
+    (:func:`router_client.subset.best_subset`, peak at the margin; ``fill_slots`` as there),
+    starvation guard alike."""
     load = loads.astype(np.float64).tolist()
     envelope = max(load)
     slots = free.tolist()
@@ -277,9 +279,10 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
         score = partial(br0_scores, margin=margin, beta=beta)
         totals = sizes[candidates].astype(np.int64).tolist()
         if min(slots[worker], len(candidates)) == 1:
-            choice: SubsetChoice | None = best_single(totals, margin, beta)
+            choice: SubsetChoice | None = best_single(totals, margin, beta, fill_slots)
         else:
-            choice = best_subset(totals, slots[worker], score, margin, truncate=True)
+            choice = best_subset(totals, slots[worker], score, margin, truncate=True,
+                                 fill_slots=fill_slots)
         if choice is None:
             continue
         if choice.score > 0:
@@ -297,13 +300,17 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
     return Stage2Result(admitted, waiting)
 
 
-def best_single(totals: list[int], margin: float, beta: float) -> SubsetChoice:
+def best_single(totals: list[int], margin: float, beta: float,
+                fill_slots: bool = False) -> SubsetChoice:
     """:func:`router_client.subset.best_subset` with room for one request, without bitsets:
     the largest size up to ``floor(margin)`` or the smallest above it, the higher F (ties: the
-    smaller size), the earliest candidate of that size (what its recovery returns)."""
+    smaller size), the earliest candidate of that size (what its recovery returns);
+    ``fill_slots``: the largest size up to ``floor(margin)`` wherever there is one."""
     limit = math.floor(margin)
     below = [t for t in totals if t <= limit]
     above = [t for t in totals if t > limit]
+    if fill_slots and below:
+        above = []
     options = ([max(below)] if below else []) + ([min(above)] if above else [])
     values = [br0_score_scalar(float(t), margin, beta) for t in options]
     best = min(range(len(options)), key=lambda k: (-values[k], options[k]))
@@ -317,13 +324,14 @@ def br0_score_scalar(total: float, margin: float, beta: float) -> float:
 
 
 def best_row_subset(rows: np.ndarray, max_count: int,
-                    score: Callable[[np.ndarray], np.ndarray]) -> SubsetChoice:
+                    score: Callable[[np.ndarray], np.ndarray],
+                    fit_margin: float | None = None) -> SubsetChoice:
     """BR-H's exhaustive Stage-2 choice (``admission._best_row_subset`` while it enumerates)
     with every subset's summed rows computed in one fancy-indexed ``sum`` per subset size
     instead of one per subset: the same subsets in the same order, each summed by numpy's
     same reduction over its member rows (bit for bit, tested), the same ``score`` call on the
     stacked sums, and its tie rule (``-F``, then the added work now, then more requests; the
-    first such subset) by a stable ``lexsort``."""
+    first such subset) by a stable ``lexsort``. ``fit_margin``: as the reference's."""
     n = rows.shape[0]
     members: list[np.ndarray] = []
     for j in range(1, max_count + 1):
@@ -332,7 +340,12 @@ def best_row_subset(rows: np.ndarray, max_count: int,
     sums = np.concatenate([rows[m].sum(axis=1) for m in members])
     counts = np.concatenate([np.full(len(m), m.shape[1]) for m in members])
     values = score(sums)
-    best = int(np.lexsort((-counts, sums[:, 0], -values))[0])
+    fits = sums[:, 0] <= fit_margin if fit_margin is not None else None
+    if fits is not None and fits.any():  # the most requests that fit now, then the best F
+        order = np.lexsort((sums[:, 0], -values, -counts, ~fits))
+        best = int(order[0])
+    else:
+        best = int(np.lexsort((-counts, sums[:, 0], -values))[0])
     j = int(counts[best])
     subset = members[j - 1][best - int(np.searchsorted(counts, j))]
     return SubsetChoice(tuple(subset.tolist()), int(round(sums[best, 0])),

@@ -80,11 +80,16 @@ def best_subset(
     score: Callable[[np.ndarray], np.ndarray],
     peak: float,
     truncate: bool = False,
+    fill_slots: bool = False,
 ) -> SubsetChoice | None:
     """The non-empty subset of at most ``max_count`` candidates that maximizes a concave F.
 
     ``score`` maps an array of totals D to F; ``peak`` is where F stops increasing. Ties go to
     the smaller total (less risk of overflowing). Returns ``None`` if there is no candidate.
+
+    ``fill_slots`` (finite ``peak``): the most requests whose total stays at or below the
+    peak, the largest such total (BF-IO's rule: every free slot filled that can be without
+    overflowing), where any subset stays there; otherwise the F-best subset as without it.
 
     ``truncate`` (finite ``peak``) keeps sums up to ``floor(peak) + max(sizes)`` only: the
     smallest reachable sum above the peak is never beyond that (drop any one member of a
@@ -103,6 +108,12 @@ def best_subset(
     for j in range(1, max_count + 1):
         union |= final[j]
     limit = int(np.floor(peak)) if np.isfinite(peak) else union.bit_length()
+    if fill_slots and np.isfinite(peak):
+        for j in range(max_count, 0, -1):
+            fitting = _highest_at_most(final[j], limit)
+            if fitting is not None:
+                value = float(score(np.asarray([fitting], dtype=np.float64))[0])
+                return SubsetChoice(tuple(_recover(tables, sizes, fitting, j)), fitting, value)
     nearest = (_highest_at_most(union, limit), _lowest_above(union, limit))
     options = [t for t in nearest if t is not None]
     values = score(np.asarray(options, dtype=np.float64))

@@ -77,6 +77,11 @@ def run(args: argparse.Namespace) -> None:
                     policies = [("ltl", make_policy("ltl", seed))] + [
                         (order, make_policy("br0", seed, BalanceRouteParams.br0(
                             stage2_order=order))) for order in STAGE2_ORDERS]
+                    if args.fill:
+                        policies += [(f"fill-{order}" if order != "slots" else "fill",
+                                      make_policy("br0", seed, BalanceRouteParams.br0(
+                                          stage2_fill=True, stage2_order=order)))
+                                     for order in STAGE2_ORDERS]
                     for label, policy in policies:
                         result = simulate(trace, policy, config).row
                         row[label] = {k: result[k] for k in KEPT}
@@ -86,7 +91,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _orders(row: dict) -> list[str]:
-    return [order for order in STAGE2_ORDERS if order in row]
+    return [order for order in (*STAGE2_ORDERS, "fill", "fill-margin") if order in row]
 
 
 def _ratios(row: dict) -> dict[str, float]:
@@ -170,6 +175,9 @@ def main() -> None:
     go.add_argument("--workers", default="4,8,16")
     go.add_argument("--seeds", default="0,1,2")
     go.add_argument("--requests", type=int, default=6000)
+    go.add_argument("--fill", action="store_true",
+                    help="also BR-0 with stage2_fill (the most free slots filled without "
+                    "overflowing first, BF-IO's subset rule)")
     show = sub.add_parser("table")
     show.add_argument("--json", required=True)
     args = parser.parse_args()

@@ -76,8 +76,9 @@ def test_rest_comparison_takes_the_short_pool_rule_as_the_cli_does(tmp_path):
 
 
 def test_rest_comparison_takes_the_stage2_order_as_the_cli_does(tmp_path):
-    """``stage2_order`` reaches BR-0 and BR-H as ``--stage2-order`` does: the REST rows with
-    ``margin`` equal the CLI's (and differ from ``slots``'s at backlog, where Stage 2
+    """``stage2_order`` and ``stage2_fill`` reach BR-0 and BR-H as ``--stage2-order`` and
+    ``--stage2-fill`` do: the REST rows with ``margin`` and fill equal the CLI's (and differ
+    from the paper's Stage 2 at backlog, where Stage 2
     decides: short outputs free several slots a step)."""
     trace = synthesize("synth:long:n=400,seed=5,output_mean=20,prompt_mean=800")
     content = "arrival_s,prompt_tokens,output_tokens\n" + "".join(
@@ -88,14 +89,14 @@ def test_rest_comparison_takes_the_stage2_order_as_the_cli_does(tmp_path):
     with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'so.db'}"))) as c:
         for order in ("slots", "margin"):
             body = {"policies": ["br0", "brh-oracle"], "workers": [4], "batch": 8,
-                    "load": "backlog", "stage2_order": order,
+                    "load": "backlog", "stage2_order": order, "stage2_fill": order == "margin",
                     "trace": {"format": "csv", "content": content}}
             job = wait(c, c.post("/v1/ab-comparisons", json=body).json()["id"])
             assert job["status"] == "done", job
             rows[order] = job["results"]
     main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "br0,brh-oracle",
           "--workers", "4", "--batch", "8", "--load", "backlog", "--stage2-order", "margin",
-          "--quiet", "--json", str(tmp_path / "cli.json")])
+          "--stage2-fill", "--quiet", "--json", str(tmp_path / "cli.json")])
     cli = json.loads((tmp_path / "cli.json").read_text())
     for row in cli + rows["margin"] + rows["slots"]:
         row.pop("sim_wall_s")
@@ -129,6 +130,7 @@ def test_replaying_the_services_own_observations(tmp_path):
     ({"source": "observations", "workers": [0]}, "workers"),
     ({"source": "observations", "short_pool": "largest"}, "short_pool"),
     ({"source": "observations", "stage2_order": "load"}, "stage2_order"),
+    ({"source": "observations", "stage2_fill": "maybe"}, "stage2_fill"),
     ({"trace": {"format": "csv",
                 "content": "arrival_s,prompt_tokens,output_tokens\n0,1,2\n1,x,3\n"}},
      "line 3"),

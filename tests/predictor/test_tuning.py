@@ -180,7 +180,8 @@ def test_router_client_adopts_the_recommendation_at_a_refresh():
     advice = {"policy": "brh", "horizon": 30, "beta": 12.0, "gamma": 0.9,
               "estimator": "exact_match"}
     predictor = Advising(advice)
-    router = RouterClient(RouterConfig(workers=2, capacity=4), predictor)
+    own = BalanceRouteParams(short_pool="lpt", fit_horizon=8.0, stage2_order="margin")
+    router = RouterClient(RouterConfig(workers=2, capacity=4, params=own), predictor)
     assert router.policy.params.horizon == 80
     router.on_prefilled("a", 100, now=0.0)
     router.tick(now=0.0)
@@ -201,3 +202,6 @@ def test_router_client_adopts_the_recommendation_at_a_refresh():
     for step in range(21, 31):
         router.tick(now=float(step))
     assert router.policy.name == "brh" and router.policy.params.gamma is None
+    # after BR-0 and back, BR-H keeps the router's own settings the advice does not name
+    kept = router.policy.params
+    assert (kept.short_pool, kept.fit_horizon, kept.stage2_order) == ("lpt", 8.0, "margin")

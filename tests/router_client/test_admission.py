@@ -357,6 +357,20 @@ def test_fit_horizon_lets_lpt_fit_place_by_f_where_the_round_looks_far_enough():
         for reference in (None, True):
             assert [a.worker for a in route_round(fleet, small, params,
                                                   reference=reference)[0]] == [want]
+    # exactly at the limit counts (gamma 0.95 is a horizon of 20 steps, to rounding)
+    params = BalanceRouteParams(horizon=10, gamma=0.95, fit_horizon=20)
+    assert [a.worker for a in route_round(fleet, small, params)[0]] == [0]
+    # the round's own gamma, from the turnover: worker 0's request ends after this step and
+    # the others run through the window, one completion expected within 10 steps among
+    # G = 4 workers: the next admission to a worker about 40 steps away, past the window,
+    # so the effective horizon is H = 10 (gamma 0.9) and a limit of 10 is reached
+    turnover = BalanceRouteParams(horizon=10, fit_horizon=10)
+    assert [a.worker for a in route_round(fleet, small, turnover)[0]] == [0]
+    assert [a.worker for a in route_round(fleet, small, replace(turnover, fit_horizon=11))[0]
+            ] == [1]
+    # gamma 1 (no discount): an unbounded horizon reaches any limit
+    flat = BalanceRouteParams(horizon=10, gamma=1.0, fit_horizon=1000)
+    assert [a.worker for a in route_round(fleet, small, flat)[0]] == [0]
     with pytest.raises(ParameterError, match="fit_horizon"):
         BalanceRouteParams(fit_horizon=0.5)
 

@@ -2,6 +2,7 @@
 
 from dataclasses import replace
 from functools import partial
+from itertools import combinations
 
 import numpy as np
 import pytest
@@ -38,16 +39,18 @@ def fleet_and_pool(seed, workers, capacity, pool_size, size_range, free_share=No
        pool_size=st.integers(0, 60), size_range=st.sampled_from([3, 20, 6000]),
        stage1=st.sampled_from(STAGE1_RULES), s_greedy=st.integers(0, 8),
        candidates=st.sampled_from([1, 3, 1024]), r_max=st.integers(1, 6),
-       count_weight=st.sampled_from([0.0, 1.0, 7.0, 0.3]), order=st.sampled_from(STAGE2_ORDERS))
+       count_weight=st.sampled_from([0.0, 1.0, 7.0, 0.3]), order=st.sampled_from(STAGE2_ORDERS),
+       fill=st.booleans())
 def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_size,
                                                  size_range, stage1, s_greedy, candidates,
-                                                 r_max, count_weight, order):
+                                                 r_max, count_weight, order, fill):
     # small size ranges force ties in F, in load and in size (and, with a count weight, in
     # load + weight * active requests)
     fleet, pool = fleet_and_pool(seed, workers, capacity, pool_size, size_range)
     params = BalanceRouteParams.br0(stage1=stage1, s_greedy=s_greedy,
                                     stage1_candidates=candidates, r_max=r_max,
-                                    lpt_count_weight=count_weight, stage2_order=order)
+                                    lpt_count_weight=count_weight, stage2_order=order,
+                                    stage2_fill=fill)
     want, want_stats = route_round(fleet, pool, params, reference=True)
     got, got_stats = route_round(fleet, pool, params, reference=False)
     assert got == want
@@ -55,13 +58,15 @@ def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_s
     assert got_stats.starvation_guard_admissions == want_stats.starvation_guard_admissions
 
 
-@pytest.mark.parametrize(("stage1", "order"),
-                         [("auto", "slots"), ("auto-pair", "slots"), ("auto", "margin")])
+@pytest.mark.parametrize(("stage1", "order", "fill"),
+                         [("auto", "slots", False), ("auto-pair", "slots", False),
+                          ("auto", "margin", False), ("auto", "slots", True),
+                          ("auto", "margin", True)])
 @pytest.mark.parametrize(("load", "workers"), [("backlog", 4), (0.8, 8), (1.0, 3)])
-def test_ab_rows_unchanged_by_the_fast_path(monkeypatch, load, workers, stage1, order):
+def test_ab_rows_unchanged_by_the_fast_path(monkeypatch, load, workers, stage1, order, fill):
     trace = synthesize("synth:long:n=600,seed=3")
     config = SimConfig(workers=workers, batch=8, load=load, seed=1)
-    params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order)
+    params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order, stage2_fill=fill)
     fast = simulate(trace, make_policy("br0", params=params), config).row
     monkeypatch.setattr(admission, "FAST_PATH", False)
     slow = simulate(trace, make_policy("br0", params=params), config).row
@@ -85,14 +90,15 @@ def test_fast_stage1_breaks_ties_between_the_two_sides_like_the_reference(stage1
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), free_share=st.sampled_from([0.002, 0.01, 0.03]),
        pool_size=st.sampled_from([300, 4096]), size_range=st.sampled_from([4, 50, 6000]),
-       stage1=st.sampled_from(STAGE1_RULES), order=st.sampled_from(STAGE2_ORDERS))
+       stage1=st.sampled_from(STAGE1_RULES), order=st.sampled_from(STAGE2_ORDERS),
+       fill=st.booleans())
 def test_fast_path_same_decisions_at_g256(seed, free_share, pool_size, size_range, stage1,
-                                          order):
+                                          order, fill):
     # the bench's scale: G = 256, B = 64, pool 4096 (a round reads only its head), or a pool
     # shorter than the free slots (about 330 or 490 at the larger shares: auto is lpt);
     # small size ranges force ties in F, load and size
     fleet, pool = fleet_and_pool(seed, 256, 64, pool_size, size_range, free_share)
-    params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order)
+    params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order, stage2_fill=fill)
     want, want_stats = route_round(fleet, pool, params, reference=True)
     got, got_stats = route_round(fleet, pool, params, reference=False)
     assert got == want
@@ -154,3 +160,13 @@ def test_vectorized_row_subset_enumeration_equals_the_reference(seed, n, max_cou
     score = partial(table.score_rows, 0)
     want = admission._best_row_subset(rows, max_count, score)
     assert admission._best_row_subset(rows, max_count, score, fast=True) == want
+    # stage2_fill: the most requests that fit now (at the worker's margin), then the best F
+    margin = table.current_margin(0)
+    want = admission._best_row_subset(rows, max_count, score, fit_margin=margin)
+    assert admission._best_row_subset(rows, max_count, score, fast=True,
+                                      fit_margin=margin) == want
+    fitting = [c for j in range(1, min(max_count, n) + 1) for c in combinations(range(n), j)
+               if rows[list(c), 0].sum() <= margin]
+    if fitting and max(map(len, fitting)) <= max_count:
+        assert len(want.indices) == max(map(len, fitting))
+        assert rows[list(want.indices), 0].sum() <= margin

@@ -66,3 +66,37 @@ def test_prefers_more_requests_for_the_same_total():
 def test_empty_candidates():
     assert best_subset([], 4, lambda D: D, 10.0) is None
     assert best_subset([5], 0, lambda D: D, 10.0) is None
+
+
+@given(
+    sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=9),
+    max_count=st.integers(1, 9),
+    load=st.integers(0, 9000),
+    top=st.integers(0, 9000),
+)
+def test_fill_slots_takes_the_most_requests_that_fit_then_the_largest_total(sizes, max_count,
+                                                                            load, top):
+    """BF-IO's subset rule (``fill_slots``), against enumeration: of the subsets of at most
+    ``max_count`` whose total stays within the margin, the most requests, then the largest
+    total; where none does, the F-best subset (as without the rule)."""
+    workers = 4
+    loads = np.array([[float(load)], [float(max(load, top))], [0.0], [0.0]])
+    table = MarginTable(loads, discounts(0, 1.0), 1.0, float(workers))
+    margin = table.peak(0)
+
+    def score(D):
+        return table.score(0, D)
+
+    fitting = [(len(c), sum(sizes[i] for i in c))
+               for k in range(1, min(max_count, len(sizes)) + 1)
+               for c in combinations(range(len(sizes)), k)
+               if sum(sizes[i] for i in c) <= margin]
+    for truncate in (False, True):
+        choice = best_subset(sizes, max_count, score, margin, truncate=truncate,
+                             fill_slots=True)
+        assert choice is not None
+        assert choice.total == sum(sizes[i] for i in choice.indices)
+        if fitting:
+            assert (len(choice.indices), choice.total) == max(fitting)
+        else:
+            assert choice == best_subset(sizes, max_count, score, margin, truncate=truncate)

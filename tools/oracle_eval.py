@@ -17,7 +17,9 @@ arrival times (``Trace.sample``); of a synthetic trace, the trace synthesized wi
 prompt mean (lognormal, shape 1.0 and 0.8): workloads of the shapes we do not ship, short
 outputs above all. A ``--variant NAME=k=v,k=v`` sets :class:`BalanceRouteParams` fields for
 BR-H (an empty list: the defaults); BR-0 runs once per replicate and is the reference of
-every variant (a variant may not set ``horizon``: the simulation's H, 80, is every BR-H's).
+every variant (a variant may not set ``horizon``: the simulation's H, 80, is every BR-H's);
+``--br0 k=v,...`` sets the reference BR-0's fields (default: BR-0's defaults), recorded in each
+row as ``br0_fields``.
 One JSON line per (variant, cell, G) is appended as it finishes (to a new file, or one the
 same command has not filled yet: ``table`` counts every line).
 
@@ -102,11 +104,15 @@ def load_value(load: str) -> float | str:
 
 
 def compare(trace: Trace, load: str, workers: list[int], seed: int,
-            variants: dict[str, dict[str, object]]) -> Iterator[dict]:
-    """BR-0 once, then ``brh-oracle`` under each variant, on the same trace and arrivals."""
+            variants: dict[str, dict[str, object]],
+            br0: dict[str, object] | None = None) -> Iterator[dict]:
+    """BR-0 once (``br0``: its :class:`BalanceRouteParams` fields, default none), then
+    ``brh-oracle`` under each variant, on the same trace and arrivals."""
     config = SimConfig(batch=64, load=load_value(load), horizon=80, refresh_steps=10,
                        seed=seed, record_trajectory=False)
-    base = {r["workers"]: r for r in abtest.run_comparison(trace, ["br0"], workers, config).rows}
+    reference = BalanceRouteParams(**(br0 or {}))  # type: ignore[arg-type]
+    base = {r["workers"]: r for r in abtest.run_comparison(trace, ["br0"], workers, config,
+                                                           params=reference).rows}
     for name, fields in variants.items():
         params = BalanceRouteParams(**fields)  # type: ignore[arg-type]
         for row in abtest.run_comparison(trace, ["brh-oracle"], workers, config,
@@ -116,7 +122,7 @@ def compare(trace: Trace, load: str, workers: list[int], seed: int,
                    "seed": seed,
                    "throughput_ratio": row["throughput_tok_s"] / b["throughput_tok_s"],
                    "imbalance_ratio": row["imbalance_maxmin_mean"] / b["imbalance_maxmin_mean"],
-                   "gamma_mean": row.get("gamma_mean"),
+                   "gamma_mean": row.get("gamma_mean"), "br0_fields": br0 or {},
                    "br0": {k: b[k] for k in KEPT}, "oracle": {k: row[k] for k in KEPT}}
 
 
@@ -136,7 +142,7 @@ def cmd_matrix(args: argparse.Namespace) -> None:
     for name, seed in itertools.product(args.traces, args.seeds):
         trace = replicate(name, seed, args.requests)
         for load in args.loads:
-            emit(args.json, compare(trace, load, args.workers, seed, variants),
+            emit(args.json, compare(trace, load, args.workers, seed, variants, args.br0),
                  {"trace": name, "requests": len(trace)})
 
 
@@ -147,7 +153,7 @@ def cmd_families(args: argparse.Namespace) -> None:
         spec = (f"synth:long:output_mean={om},prompt_mean={pm},n={args.requests},"
                 f"max_output=16384,seed={seed}")
         trace = load_trace(spec, "auto", None)
-        emit(args.json, compare(trace, load, args.workers, seed, variants),
+        emit(args.json, compare(trace, load, args.workers, seed, variants, args.br0),
              {"trace": f"long-o{om}-p{pm}", "requests": len(trace)})
 
 
@@ -205,6 +211,9 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--seeds", type=ints, default=[0])
         p.add_argument("--requests", type=int, default=10000 if name == "matrix" else 4000)
         p.add_argument("--loads", type=lambda t: t.split(","), default=LOADS)
+        p.add_argument("--br0", type=lambda t: parse_variant("br0=" + t)[1], default=None,
+                       help="field=value,... of the reference BR-0's BalanceRouteParams "
+                       "(default: BR-0's defaults)")
     sub.choices["matrix"].add_argument("--traces", type=lambda t: t.split(","),
                                        default=list(TRACES))
     sub.choices["families"].add_argument("--output-means", type=ints,

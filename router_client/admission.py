@@ -743,37 +743,29 @@ def _best_row_subset(
             best = min(range(len(subsets)),
                        key=lambda q: (-float(values[q]), float(sums[q, 0]), -len(subsets[q])))
         return SubsetChoice(subsets[best], int(round(sums[best, 0])), float(values[best]))
-    if fit_margin is not None and rows[:, 0].min() <= fit_margin:
-        return _greedy_fitting(rows, max_count, score, fit_margin)
+    if fit_margin is not None and rows[:, 0].min() > fit_margin:
+        fit_margin = None  # nothing fits now: the F-best greedy, as without the rule
+    return _greedy_subset(rows, max_count, score, fit_margin)
+
+
+def _greedy_subset(rows: np.ndarray, max_count: int,
+                   score: Callable[[np.ndarray], np.ndarray],
+                   fit_margin: float | None = None) -> SubsetChoice:
+    """Stage 2 past enumeration: add the highest-F request while F rises; with
+    ``fit_margin`` (``stage2_fill``, some request fits) add the highest-F request that keeps
+    the added work now within it while one does, whether F rises or not."""
     chosen: list[int] = []
     current = np.zeros(rows.shape[1])
     value = float("-inf")
     while len(chosen) < max_count:
-        rest = [i for i in range(n) if i not in chosen]
-        values = score(current[None, :] + rows[rest])
-        k = int(np.argmax(values))
-        if chosen and values[k] <= value:
-            break
-        chosen.append(rest[k])
-        current = current + rows[rest[k]]
-        value = float(values[k])
-    return SubsetChoice(tuple(sorted(chosen)), int(round(current[0])), value)
-
-
-def _greedy_fitting(rows: np.ndarray, max_count: int, score: Callable[[np.ndarray], np.ndarray],
-                    fit_margin: float) -> SubsetChoice:
-    """Greedy ``stage2_fill`` past enumeration: add the highest-F request that keeps the
-    added work now within ``fit_margin`` while one does (at least one does)."""
-    chosen: list[int] = []
-    current = np.zeros(rows.shape[1])
-    value = float("-inf")
-    while len(chosen) < max_count:
-        rest = [i for i in range(rows.shape[0])
-                if i not in chosen and current[0] + rows[i, 0] <= fit_margin]
+        rest = [i for i in range(rows.shape[0]) if i not in chosen and (
+            fit_margin is None or current[0] + rows[i, 0] <= fit_margin)]
         if not rest:
             break
         values = score(current[None, :] + rows[rest])
         k = int(np.argmax(values))
+        if fit_margin is None and chosen and values[k] <= value:
+            break
         chosen.append(rest[k])
         current = current + rows[rest[k]]
         value = float(values[k])

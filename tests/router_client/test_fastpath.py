@@ -170,3 +170,29 @@ def test_vectorized_row_subset_enumeration_equals_the_reference(seed, n, max_cou
     if fitting and max(map(len, fitting)) <= max_count:
         assert len(want.indices) == max(map(len, fitting))
         assert rows[list(want.indices), 0].sum() <= margin
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), max_count=st.integers(4, 6),
+       scale=st.sampled_from([20.0, 1e3]))
+def test_greedy_row_subset_past_enumeration(seed, max_count, scale):
+    """Past :data:`admission.MAX_ENUMERATED_SUBSETS` (20 candidates, room for 4 or more), the
+    greedy choice stops where no remaining request raises F; with ``fit_margin`` it keeps
+    every added total within the margin now and stops only when no remaining request fits."""
+    rng = np.random.default_rng(seed)
+    rows = np.floor(rng.random((20, 6)) * scale)
+    table = MarginTable(np.floor(rng.random((3, 6)) * scale * 4), discounts(5, 0.9), 1.0, 3.0)
+    score = partial(table.score_rows, 0)
+    plain = admission._best_row_subset(rows, max_count, score)
+    total = rows[list(plain.indices)].sum(axis=0)
+    assert plain.score == pytest.approx(float(score(total[None, :])[0]))
+    rest = [i for i in range(20) if i not in plain.indices]
+    if len(plain.indices) < max_count:
+        assert all(score((total + rows[i])[None, :])[0] <= plain.score for i in rest)
+    margin = table.current_margin(0)
+    if rows[:, 0].min() <= margin:
+        fill = admission._best_row_subset(rows, max_count, score, fit_margin=margin)
+        used = rows[list(fill.indices), 0].sum()
+        assert used <= margin
+        if len(fill.indices) < max_count:
+            assert all(used + rows[i, 0] > margin for i in range(20) if i not in fill.indices)

@@ -11,8 +11,9 @@ step cost, a saturated fleet with the first 4G waiting requests in the pool), Az
 Mooncake conversation, drawn the peer's way with seed k. ``b64``: our default setting (B = 64,
 the default step cost) on the five traces of issue 10's matrix; replicate k of a file trace is
 ``Trace.sample(requests, k)`` (k = 0: the first ``requests``), of a synthetic one the trace
-synthesized with ``seed=k``; the simulator's seed is k. One JSON line per (setting, trace,
-load, G, seed) with ltl's and each order's row.
+synthesized with ``seed=k``; the simulator's seed is k. ``--fill`` adds BR-0 with
+``stage2_fill`` (BF-IO's subset rule) under each order (``fill``, ``fill-margin``). One JSON
+line per (setting, trace, load, G, seed) with ltl's and each variant's row.
 
 ``table`` prints, per cell, the mean over replicates of each order's I(k) at the step's end
 (where the peer measures it) as times lower than ltl's, its throughput gain over ltl and its

@@ -94,7 +94,8 @@ def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
         params=BalanceRouteParams(stage1=request["stage1"],
                                   short_pool=request["short_pool"],
                                   stage2_order=request["stage2_order"],
-                                  stage2_fill=request["stage2_fill"]))
+                                  stage2_fill=request["stage2_fill"],
+                                  guard=request.get("guard", BalanceRouteParams.guard)))
     return comparison.rows
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from proxy.cli import add_commands as add_serving_commands
 from router_client.admission import (
+    GUARD_RULES,
     SHORT_POOL_RULES,
     STAGE1_RULES,
     STAGE2_ORDERS,
@@ -171,6 +172,12 @@ def _add_ab(sub) -> None:
                     "under the current maximum together (then the largest total, or BR-H's best "
                     "F), and the best F only where none fits (BF-IO's subset rule); default "
                     "--no-stage2-fill: the best F always (the paper's)")
+    ab.add_argument("--guard", default=BalanceRouteParams.guard, choices=list(GUARD_RULES),
+                    help="the starvation guard where a worker's best F in Stage 2 is not "
+                    "positive: always (admit the single best request anyway; the paper's) or "
+                    "idle (leave its slots empty this round where no request would lower the "
+                    "imbalance now; Stage 1 admits once more than --s-greedy slots are free); "
+                    f"default {BalanceRouteParams.guard}")
     ab.add_argument("--out", type=Path, default=None, help="directory for CSV and PNG plots")
     ab.add_argument("--json", type=Path, default=None, help="write the result rows here")
     ab.add_argument("--predictor-url", default=None,
@@ -347,7 +354,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   short_pool=args.short_pool,
                                   stage2_order=args.stage2_order,
                                   stage2_fill=args.stage2_fill,
-                                  fit_horizon=args.fit_horizon),
+                                  fit_horizon=args.fit_horizon, guard=args.guard),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

@@ -22,7 +22,13 @@ from pydantic import (
 )
 from typing_extensions import TypedDict
 
-from router_client.admission import BalanceRouteParams, ShortPoolRule, Stage1Rule, Stage2Order
+from router_client.admission import (
+    BalanceRouteParams,
+    GuardRule,
+    ShortPoolRule,
+    Stage1Rule,
+    Stage2Order,
+)
 from router_client.traces import key_of_text
 
 from .estimators import estimator_names
@@ -374,6 +380,11 @@ class AbComparisonIn(ReplayIn):
         description="Stage 2 takes for each worker the most waiting requests that fit under "
         "the current maximum together, and the best F only where none fits (BF-IO's subset "
         "rule); false (default): the best F always (the paper's)")
+    guard: GuardRule = Field(
+        BalanceRouteParams.guard,
+        description="the starvation guard where a worker's best F in Stage 2 is not "
+        "positive: always (admit the single best request anyway; the paper's) or idle "
+        "(leave its slots empty this round where no request would lower the imbalance now)")
     source: Literal["observations"] | None = Field(
         None, description="replay the service's own stored observations")
     trace: TraceIn | None = None

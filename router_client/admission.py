@@ -65,6 +65,8 @@ ShortPoolRule = Literal["lpt-fit", "lpt", "lpt-load", "best-pair"]
 SHORT_POOL_RULES: tuple[str, ...] = get_args(ShortPoolRule)
 Stage2Order = Literal["slots", "margin"]
 STAGE2_ORDERS: tuple[str, ...] = get_args(Stage2Order)
+GuardRule = Literal["always", "idle"]
+GUARD_RULES: tuple[str, ...] = get_args(GuardRule)
 AUTO_SHORT_POOL: Literal["lpt", "best-pair"] = "lpt"  # BR-0's short-pool rule in auto (README)
 # BR-H's Stage-1 rule on a short pool under auto, by its ``short_pool`` setting
 _SHORT_POOL_STAGE1: dict[str, Literal["best-pair", "lpt", "lpt-f", "lpt-fit"]] = {
@@ -159,6 +161,17 @@ class BalanceRouteParams:
             paper's): the F-best subset always, which may take one large request that
             overflows over a small one that fits, or leave a free slot empty. Measured, not
             adopted (it helps BR-0 more than BR-H; see the README).
+        guard: the starvation guard in Stage 2, where a worker's best subset scores F <= 0
+            (every candidate raises the imbalance more than it fills): ``always`` (default,
+            the paper's) admits the single best request anyway; ``idle`` leaves the worker's
+            slots empty this round where no candidate would lower the imbalance now (BR-0's
+            F at step 0 not positive for any; BR-H, whose lookahead may object where BR-0
+            would not, then admits its best request as under ``always``). Liveness comes
+            from Stage 1, which admits whatever F says once the free slots exceed
+            ``s_greedy`` (so ``idle`` acts only with G >= 2 and more than ``s_greedy``
+            slots in the fleet; elsewhere it is ``always``); BF-IO's simulator likewise
+            forces a request only after three failed tries on one worker. Measured, see
+            the README.
         fit_horizon: with ``short_pool="lpt-fit"``, a round whose effective horizon
             ``1 / (1 - gamma)`` reaches this many steps places its short pool by F, as
             ``lpt`` (None, default: never; measured, not adopted, see the README).
@@ -184,6 +197,7 @@ class BalanceRouteParams:
     stage2_order: Stage2Order = "slots"
     stage2_fill: bool = False
     fit_horizon: float | None = None
+    guard: GuardRule = "always"
 
     def __post_init__(self) -> None:
         if self.horizon < 0:
@@ -214,6 +228,8 @@ class BalanceRouteParams:
             raise ParameterError("fit_horizon", "must be >= 1 step (or None: never)")
         if self.stage2_order not in STAGE2_ORDERS:
             raise ParameterError("stage2_order", f"must be one of {', '.join(STAGE2_ORDERS)}")
+        if self.guard not in GUARD_RULES:
+            raise ParameterError("guard", f"must be one of {', '.join(GUARD_RULES)}")
         if not self.lpt_count_weight >= 0:
             raise ParameterError("lpt_count_weight", "must be >= 0")
 
@@ -281,6 +297,7 @@ class BalanceRouteParams:
             lpt_count_weight=self.lpt_count_weight,
             stage2_order=self.stage2_order,
             stage2_fill=self.stage2_fill,
+            guard=self.guard,
         )
 
 
@@ -586,7 +603,8 @@ class _Round:
         done = fastpath.stage2_br0(loads, self.free, self.sizes, self.waiting,
                                    self.params.effective_r_max(self.fleet.workers),
                                    self.table.beta, self.params.stage2_order,
-                                   self.params.stage2_fill)
+                                   self.params.stage2_fill,
+                                   "idle" if self._guard_waits() else "always")
         for index, worker, guard in done.admitted:
             self.out.append(Assignment(index, worker, guard))
             self.stats.stage2_admissions += 1
@@ -691,6 +709,8 @@ class _Round:
                 for index in picked:
                     self.admit(worker, index)
                 self.stats.stage2_admissions += len(picked)
+            elif self._wait(worker, candidates):
+                continue  # the slots stay empty this round (guard "idle")
             else:  # starvation guard: the single best request, even at F <= 0
                 index = candidates[int(np.argmax(self.score(worker, candidates)))]
                 self.admit(worker, index, guard=True)
@@ -701,6 +721,27 @@ class _Round:
             head = len(candidates)
             self.waiting = ([i for i in self.waiting[:head] if i not in taken]
                             + self.waiting[head:])
+
+    def _guard_waits(self) -> bool:
+        """Whether the guard ``idle`` applies: G >= 2 (a margin exists) and the fleet has
+        more than ``s_greedy`` slots, so that Stage 1, which admits whatever F says, runs
+        once enough slots are free (an idle fleet included)."""
+        fleet = self.fleet
+        return (self.params.guard == "idle" and fleet.workers >= 2
+                and fleet.workers * fleet.capacity > self.params.s_greedy)
+
+    def _wait(self, worker: int, candidates: list[int]) -> bool:
+        """The guard ``idle``: whether ``worker`` (whose best subset scores F <= 0) takes
+        nothing this round, i.e. no candidate would lower the imbalance now (BR-0's F at
+        step 0, ``s - G max(0, s - m)``, not positive for any: BR-H leaves a slot empty
+        only where BR-0 would, and where its lookahead alone objects it admits its best
+        request as the guard ``always`` does)."""
+        if not self._guard_waits():
+            return False
+        sizes = self.sizes[candidates]
+        margin = self.table.current_margin(worker)
+        now = sizes - self.fleet.workers * np.maximum(0.0, sizes - margin)
+        return not bool((now > 0).any())
 
     def _subset(self, worker: int, candidates: list[int]) -> SubsetChoice | None:
         if self.rows is not None:

@@ -258,12 +258,14 @@ class Stage2Result:
 
 def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: list[int],
                r_max: int, beta: float, order_by: str = "slots",
-               fill_slots: bool = False) -> Stage2Result:
+               fill_slots: bool = False, guard: str = "always") -> Stage2Result:
     """The reference's Stage 2 at H = 0 on scalar state: workers by (most free slots, widest
     margin, index) (``order_by="slots"``) or by (widest margin, index) (``"margin"``), each
     the exact best subset of the first ``r_max`` waiting requests
     (:func:`router_client.subset.best_subset`, peak at the margin; ``fill_slots`` as there),
-    starvation guard alike."""
+    starvation guard alike (``guard="idle"``: where it applies this round, see
+    ``admission._Round._guard_waits``, a worker takes nothing where no candidate alone
+    scores F > 0)."""
     load = loads.astype(np.float64).tolist()
     envelope = max(load)
     slots = free.tolist()
@@ -287,14 +289,17 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
             continue
         if choice.score > 0:
             picked = [candidates[k] for k in choice.indices]
-            guard = False
-        else:  # starvation guard: the single best request, even at F <= 0
+            forced = False
+        elif guard == "always" or bool((score(sizes[candidates]) > 0).any()):
+            # starvation guard: the single best request, even at F <= 0
             picked = [candidates[int(np.argmax(score(sizes[candidates])))]]
-            guard = True
+            forced = True
+        else:
+            continue
         for index in picked:
             load[worker] += float(sizes[index])
             envelope = max(envelope, load[worker])
-            admitted.append((index, worker, guard))
+            admitted.append((index, worker, forced))
         taken = set(picked)
         waiting = [i for i in candidates if i not in taken] + waiting[len(candidates):]
     return Stage2Result(admitted, waiting)

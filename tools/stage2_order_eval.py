@@ -12,8 +12,10 @@ Mooncake conversation, drawn the peer's way with seed k. ``b64``: our default se
 the default step cost) on the five traces of issue 10's matrix; replicate k of a file trace is
 ``Trace.sample(requests, k)`` (k = 0: the first ``requests``), of a synthetic one the trace
 synthesized with ``seed=k``; the simulator's seed is k. ``--fill`` adds BR-0 with
-``stage2_fill`` (BF-IO's subset rule) under each order (``fill``, ``fill-margin``). One JSON
-line per (setting, trace, load, G, seed) with ltl's and each variant's row.
+``stage2_fill`` (BF-IO's subset rule) under each order (``fill``, ``fill-margin``);
+``--guard`` adds BR-0 with the starvation guard ``idle`` under the paper's Stage 2 and with
+both (``idle``, ``fill-margin-idle``). One JSON line per (setting, trace, load, G, seed) with
+ltl's and each variant's row.
 
 ``table`` prints, per cell, the mean over replicates of each order's I(k) at the step's end
 (where the peer measures it) as times lower than ltl's, its throughput gain over ltl and its
@@ -83,6 +85,12 @@ def run(args: argparse.Namespace) -> None:
                                       make_policy("br0", seed, BalanceRouteParams.br0(
                                           stage2_fill=True, stage2_order=order)))
                                      for order in STAGE2_ORDERS]
+                    if args.guard:
+                        policies += [
+                            ("idle", make_policy("br0", seed, BalanceRouteParams.br0(
+                                guard="idle"))),
+                            ("fill-margin-idle", make_policy("br0", seed, BalanceRouteParams.br0(
+                                stage2_fill=True, stage2_order="margin", guard="idle")))]
                     for label, policy in policies:
                         result = simulate(trace, policy, config).row
                         row[label] = {k: result[k] for k in KEPT}
@@ -92,7 +100,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _orders(row: dict) -> list[str]:
-    return [order for order in (*STAGE2_ORDERS, "fill", "fill-margin") if order in row]
+    return [order for order in (*STAGE2_ORDERS, "fill", "fill-margin", "idle",
+                                "fill-margin-idle") if order in row]
 
 
 def _ratios(row: dict) -> dict[str, float]:
@@ -179,6 +188,9 @@ def main() -> None:
     go.add_argument("--fill", action="store_true",
                     help="also BR-0 with stage2_fill (the most free slots filled without "
                     "overflowing first, BF-IO's subset rule)")
+    go.add_argument("--guard", action="store_true",
+                    help="also BR-0 with the starvation guard idle (alone, and with "
+                    "stage2_fill and stage2_order margin)")
     show = sub.add_parser("table")
     show.add_argument("--json", required=True)
     args = parser.parse_args()

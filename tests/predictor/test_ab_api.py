@@ -7,6 +7,7 @@ from fastapi.testclient import TestClient
 from predictor.app import create_app
 from predictor.cli import main
 from predictor.settings import Settings
+from router_client.admission import GUARD_RULES, BalanceRouteParams
 from router_client.synth import synthesize
 
 POLICIES = ["jsq", "ltl", "br0", "brh-survival", "brh-oracle"]
@@ -76,8 +77,9 @@ def test_rest_comparison_takes_the_short_pool_rule_as_the_cli_does(tmp_path):
 
 
 def test_rest_comparison_takes_the_stage2_order_as_the_cli_does(tmp_path):
-    """``stage2_order`` and ``stage2_fill`` reach BR-0 and BR-H as ``--stage2-order`` and
-    ``--stage2-fill`` do: the REST rows with ``margin`` and fill equal the CLI's (and differ
+    """``stage2_order``, ``stage2_fill`` and ``guard`` reach BR-0 and BR-H as
+    ``--stage2-order``, ``--stage2-fill`` and ``--guard`` do: the REST rows with ``margin``,
+    fill and the guard that is not the default equal the CLI's (and differ
     from the paper's Stage 2 at backlog, where Stage 2
     decides: short outputs free several slots a step)."""
     trace = synthesize("synth:long:n=400,seed=5,output_mean=20,prompt_mean=800")
@@ -86,17 +88,21 @@ def test_rest_comparison_takes_the_stage2_order_as_the_cli_does(tmp_path):
                                                 trace.output_tokens, strict=True))
     (tmp_path / "t.csv").write_text(content)
     rows = {}
+    other_guard = next(g for g in GUARD_RULES if g != BalanceRouteParams.guard)
     with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'so.db'}"))) as c:
         for order in ("slots", "margin"):
             body = {"policies": ["br0", "brh-oracle"], "workers": [4], "batch": 8,
                     "load": "backlog", "stage2_order": order, "stage2_fill": order == "margin",
                     "trace": {"format": "csv", "content": content}}
+            if order == "margin":
+                body["guard"] = other_guard
             job = wait(c, c.post("/v1/ab-comparisons", json=body).json()["id"])
             assert job["status"] == "done", job
             rows[order] = job["results"]
     main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "br0,brh-oracle",
           "--workers", "4", "--batch", "8", "--load", "backlog", "--stage2-order", "margin",
-          "--stage2-fill", "--quiet", "--json", str(tmp_path / "cli.json")])
+          "--stage2-fill", "--guard", other_guard, "--quiet", "--json",
+          str(tmp_path / "cli.json")])
     cli = json.loads((tmp_path / "cli.json").read_text())
     for row in cli + rows["margin"] + rows["slots"]:
         row.pop("sim_wall_s")
@@ -131,6 +137,7 @@ def test_replaying_the_services_own_observations(tmp_path):
     ({"source": "observations", "short_pool": "largest"}, "short_pool"),
     ({"source": "observations", "stage2_order": "load"}, "stage2_order"),
     ({"source": "observations", "stage2_fill": "maybe"}, "stage2_fill"),
+    ({"source": "observations", "guard": "never"}, "guard"),
     ({"trace": {"format": "csv",
                 "content": "arrival_s,prompt_tokens,output_tokens\n0,1,2\n1,x,3\n"}},
      "line 3"),

@@ -213,7 +213,8 @@ def test_turnover_discount_is_used_and_reported():
 
 @pytest.mark.parametrize("field, value", [("gamma", 0.0), ("gamma", 1.5), ("r_max", 0),
                                           ("turnover_scale", 0.0),
-                                          ("horizon", -1), ("stage1", "nope"), ("alpha", 0.0)])
+                                          ("horizon", -1), ("stage1", "nope"), ("alpha", 0.0),
+                                          ("guard", "never")])
 def test_params_validation_names_the_field(field, value):
     with pytest.raises(ParameterError, match=field):
         BalanceRouteParams(**{field: value})
@@ -428,6 +429,53 @@ def test_stage2_and_starvation_guard():
     assert stats.starvation_guard_admissions == 2
     assert [a.pool_index for a in got] == [1, 2]  # smallest overflow first, then the next
     assert all(a.starvation_guard for a in got)
+
+
+def test_guard_idle_leaves_the_slots_empty_where_no_request_lowers_the_imbalance():
+    # as above (margins 0: every request overflows by its whole size, F = s - 2 s < 0), but
+    # with more slots in the fleet (4) than s_greedy (2), so that Stage 1 admits once enough
+    # slots are free: "idle" leaves both free slots empty this round
+    fleet = FleetView(2, np.array([1000.0, 1000.0]), np.array([1, 1]), np.array([0, 1]),
+                      np.array([1000.0, 1000.0]))
+    pool = [WaitingRequest("a", 300), WaitingRequest("b", 100), WaitingRequest("c", 200)]
+    always, stats = route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=2))
+    assert [a.pool_index for a in always] == [1, 2] and stats.starvation_guard_admissions == 2
+    for reference in (True, False):
+        got, stats = route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=2, guard="idle"),
+                                 reference=reference)
+        assert got == [] and stats.starvation_guard_admissions == 0
+    # a request that fits under a margin is still admitted: worker 0 at 900 (margin 100)
+    lower = replace(fleet, loads=np.array([900.0, 1000.0]), active_size=np.array([900.0,
+                                                                                    1000.0]))
+    got, _ = route_round(lower, pool, BalanceRouteParams.br0(s_greedy=2, guard="idle"))
+    assert [(a.pool_index, a.worker, a.starvation_guard) for a in got] == [(1, 0, False)]
+    # where Stage 1 could never run (4 slots <= s_greedy 7) or G = 1, "idle" is "always"
+    assert route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=7, guard="idle"))[0] == \
+        route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=7))[0]
+    single = FleetView(2, np.array([1000.0]), np.array([1]), np.array([0]), np.array([1000.0]))
+    got, stats = route_round(single, pool, BalanceRouteParams.br0(s_greedy=1, guard="idle"))
+    assert len(got) == 1 and stats.starvation_guard_admissions == 1
+
+
+def test_guard_idle_lets_brh_admit_where_only_its_lookahead_objects():
+    # G = 2, B = 2: worker 0 full at 100 (two requests ending after this step), worker 1 at
+    # 60 with one free slot (margin 40). A 30-token request fits now (BR-0's F = 30 > 0), but
+    # from step 1 worker 1 is the maximum and the request overflows for 79 steps: BR-H's F <
+    # 0. The guard "idle" keeps a slot empty only where BR-0 would: BR-H admits it as under
+    # "always". Against 50 tokens (F = 50 - 2 * 10 = 30 > 0 now) likewise; against 90 (F =
+    # 90 - 2 * 50 < 0 now) the slot stays empty.
+    worker = np.array([0, 0, 1])
+    size = np.array([50.0, 50.0, 60.0])
+    fleet = FleetView.from_active(2, 2, worker, size, np.array([1.0, 1.0, 80.0]))
+    for prompt, admitted in ((30, True), (50, True), (90, False)):
+        pool = [WaitingRequest(0, prompt), WaitingRequest(1, prompt)]
+        view = replace(fleet, pool_c_hat=np.full(len(pool), 80.0))
+        params = BalanceRouteParams(gamma=0.9, s_greedy=1)
+        always, stats = route_round(view, pool, params)
+        assert [(a.pool_index, a.worker) for a in always] == [(0, 1)]
+        assert stats.starvation_guard_admissions == 1  # BR-H's F <= 0 in every case
+        idle, _ = route_round(view, pool, replace(params, guard="idle"))
+        assert idle == (always if admitted else [])
 
 
 @pytest.mark.parametrize("horizon", [0, 80])

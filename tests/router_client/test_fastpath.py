@@ -10,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router_client import admission
-from router_client.admission import STAGE1_RULES, STAGE2_ORDERS, BalanceRouteParams, route_round
+from router_client.admission import (
+    GUARD_RULES,
+    STAGE1_RULES,
+    STAGE2_ORDERS,
+    BalanceRouteParams,
+    route_round,
+)
 from router_client.fleet import FleetView, WaitingRequest
 from router_client.fscore import MarginTable, discounts
 from router_client.policies import make_policy
@@ -40,17 +46,17 @@ def fleet_and_pool(seed, workers, capacity, pool_size, size_range, free_share=No
        stage1=st.sampled_from(STAGE1_RULES), s_greedy=st.integers(0, 8),
        candidates=st.sampled_from([1, 3, 1024]), r_max=st.integers(1, 6),
        count_weight=st.sampled_from([0.0, 1.0, 7.0, 0.3]), order=st.sampled_from(STAGE2_ORDERS),
-       fill=st.booleans())
+       fill=st.booleans(), guard=st.sampled_from(GUARD_RULES))
 def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_size,
                                                  size_range, stage1, s_greedy, candidates,
-                                                 r_max, count_weight, order, fill):
+                                                 r_max, count_weight, order, fill, guard):
     # small size ranges force ties in F, in load and in size (and, with a count weight, in
     # load + weight * active requests)
     fleet, pool = fleet_and_pool(seed, workers, capacity, pool_size, size_range)
     params = BalanceRouteParams.br0(stage1=stage1, s_greedy=s_greedy,
                                     stage1_candidates=candidates, r_max=r_max,
                                     lpt_count_weight=count_weight, stage2_order=order,
-                                    stage2_fill=fill)
+                                    stage2_fill=fill, guard=guard)
     want, want_stats = route_round(fleet, pool, params, reference=True)
     got, got_stats = route_round(fleet, pool, params, reference=False)
     assert got == want
@@ -58,15 +64,19 @@ def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_s
     assert got_stats.starvation_guard_admissions == want_stats.starvation_guard_admissions
 
 
-@pytest.mark.parametrize(("stage1", "order", "fill"),
-                         [("auto", "slots", False), ("auto-pair", "slots", False),
-                          ("auto", "margin", False), ("auto", "slots", True),
-                          ("auto", "margin", True)])
+@pytest.mark.parametrize(("stage1", "order", "fill", "guard"),
+                         [("auto", "slots", False, "always"),
+                          ("auto-pair", "slots", False, "always"),
+                          ("auto", "margin", False, "always"), ("auto", "slots", True, "always"),
+                          ("auto", "margin", True, "always"), ("auto", "slots", False, "idle"),
+                          ("auto", "margin", True, "idle")])
 @pytest.mark.parametrize(("load", "workers"), [("backlog", 4), (0.8, 8), (1.0, 3)])
-def test_ab_rows_unchanged_by_the_fast_path(monkeypatch, load, workers, stage1, order, fill):
+def test_ab_rows_unchanged_by_the_fast_path(monkeypatch, load, workers, stage1, order, fill,
+                                            guard):
     trace = synthesize("synth:long:n=600,seed=3")
     config = SimConfig(workers=workers, batch=8, load=load, seed=1)
-    params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order, stage2_fill=fill)
+    params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order, stage2_fill=fill,
+                                    guard=guard)
     fast = simulate(trace, make_policy("br0", params=params), config).row
     monkeypatch.setattr(admission, "FAST_PATH", False)
     slow = simulate(trace, make_policy("br0", params=params), config).row
@@ -91,14 +101,15 @@ def test_fast_stage1_breaks_ties_between_the_two_sides_like_the_reference(stage1
 @given(seed=st.integers(0, 2**32 - 1), free_share=st.sampled_from([0.002, 0.01, 0.03]),
        pool_size=st.sampled_from([300, 4096]), size_range=st.sampled_from([4, 50, 6000]),
        stage1=st.sampled_from(STAGE1_RULES), order=st.sampled_from(STAGE2_ORDERS),
-       fill=st.booleans())
+       fill=st.booleans(), guard=st.sampled_from(GUARD_RULES))
 def test_fast_path_same_decisions_at_g256(seed, free_share, pool_size, size_range, stage1,
-                                          order, fill):
+                                          order, fill, guard):
     # the bench's scale: G = 256, B = 64, pool 4096 (a round reads only its head), or a pool
     # shorter than the free slots (about 330 or 490 at the larger shares: auto is lpt);
     # small size ranges force ties in F, load and size
     fleet, pool = fleet_and_pool(seed, 256, 64, pool_size, size_range, free_share)
-    params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order, stage2_fill=fill)
+    params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order, stage2_fill=fill,
+                                    guard=guard)
     want, want_stats = route_round(fleet, pool, params, reference=True)
     got, got_stats = route_round(fleet, pool, params, reference=False)
     assert got == want

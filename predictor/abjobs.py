@@ -95,7 +95,7 @@ def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
                                   short_pool=request["short_pool"],
                                   stage2_order=request["stage2_order"],
                                   stage2_fill=request["stage2_fill"],
-                                  guard=request.get("guard", BalanceRouteParams.guard)))
+                                  guard=request.get("guard")))
     return comparison.rows
 
 

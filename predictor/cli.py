@@ -172,12 +172,12 @@ def _add_ab(sub) -> None:
                     "under the current maximum together (then the largest total, or BR-H's best "
                     "F), and the best F only where none fits (BF-IO's subset rule); default "
                     "--no-stage2-fill: the best F always (the paper's)")
-    ab.add_argument("--guard", default=BalanceRouteParams.guard, choices=list(GUARD_RULES),
+    ab.add_argument("--guard", default=None, choices=list(GUARD_RULES),
                     help="the starvation guard where a worker's best F in Stage 2 is not "
                     "positive: always (admit the single best request anyway; the paper's) or "
                     "idle (leave its slots empty this round where no request would lower the "
                     "imbalance now; Stage 1 admits once more than --s-greedy slots are free); "
-                    f"default {BalanceRouteParams.guard}")
+                    "default: idle for BR-H, always for BR-0")
     ab.add_argument("--out", type=Path, default=None, help="directory for CSV and PNG plots")
     ab.add_argument("--json", type=Path, default=None, help="write the result rows here")
     ab.add_argument("--predictor-url", default=None,

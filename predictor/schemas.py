@@ -380,11 +380,12 @@ class AbComparisonIn(ReplayIn):
         description="Stage 2 takes for each worker the most waiting requests that fit under "
         "the current maximum together, and the best F only where none fits (BF-IO's subset "
         "rule); false (default): the best F always (the paper's)")
-    guard: GuardRule = Field(
-        BalanceRouteParams.guard,
+    guard: GuardRule | None = Field(
+        None,
         description="the starvation guard where a worker's best F in Stage 2 is not "
         "positive: always (admit the single best request anyway; the paper's) or idle "
-        "(leave its slots empty this round where no request would lower the imbalance now)")
+        "(leave its slots empty this round where no request would lower the imbalance now); "
+        "null (default): idle for BR-H, always for BR-0")
     source: Literal["observations"] | None = Field(
         None, description="replay the service's own stored observations")
     trace: TraceIn | None = None

@@ -162,16 +162,19 @@ class BalanceRouteParams:
             overflows over a small one that fits, or leave a free slot empty. Measured, not
             adopted (it helps BR-0 more than BR-H; see the README).
         guard: the starvation guard in Stage 2, where a worker's best subset scores F <= 0
-            (every candidate raises the imbalance more than it fills): ``always`` (default,
-            the paper's) admits the single best request anyway; ``idle`` leaves the worker's
-            slots empty this round where no candidate would lower the imbalance now (BR-0's
-            F at step 0 not positive for any; BR-H, whose lookahead may object where BR-0
-            would not, then admits its best request as under ``always``). Liveness comes
-            from Stage 1, which admits whatever F says once the free slots exceed
-            ``s_greedy`` (so ``idle`` acts only with G >= 2 and more than ``s_greedy``
-            slots in the fleet; elsewhere it is ``always``); BF-IO's simulator likewise
-            forces a request only after three failed tries on one worker. Measured, see
-            the README.
+            (every candidate raises the imbalance more than it fills): ``always`` (the
+            paper's) admits the single best request anyway; ``idle`` leaves the worker's
+            slots empty this round where, in addition, no candidate would lower the
+            imbalance now (BR-0's F at step 0 not positive for any; so BR-H, whose lookahead
+            may object where BR-0 would not, then admits its best request as under
+            ``always``). Liveness comes from Stage 1, which admits whatever F says once the
+            free slots exceed ``s_greedy`` (so ``idle`` acts only with G >= 2 and more than
+            ``s_greedy`` slots in the fleet; elsewhere it is ``always``); BF-IO's simulator
+            likewise forces a request only after three failed tries on one worker. ``None``
+            (default): ``idle`` for BR-H (since 2026-12-02: with true lengths it raises
+            BR-H's gain over BR-0 and clears the imbalance flag at Mooncake G = 4),
+            ``always`` for BR-0 (the paper's; ``idle`` is a measured option there, see the
+            README).
         fit_horizon: with ``short_pool="lpt-fit"``, a round whose effective horizon
             ``1 / (1 - gamma)`` reaches this many steps places its short pool by F, as
             ``lpt`` (None, default: never; measured, not adopted, see the README).
@@ -197,7 +200,7 @@ class BalanceRouteParams:
     stage2_order: Stage2Order = "slots"
     stage2_fill: bool = False
     fit_horizon: float | None = None
-    guard: GuardRule = "always"
+    guard: GuardRule | None = None
 
     def __post_init__(self) -> None:
         if self.horizon < 0:
@@ -228,7 +231,7 @@ class BalanceRouteParams:
             raise ParameterError("fit_horizon", "must be >= 1 step (or None: never)")
         if self.stage2_order not in STAGE2_ORDERS:
             raise ParameterError("stage2_order", f"must be one of {', '.join(STAGE2_ORDERS)}")
-        if self.guard not in GUARD_RULES:
+        if self.guard is not None and self.guard not in GUARD_RULES:
             raise ParameterError("guard", f"must be one of {', '.join(GUARD_RULES)}")
         if not self.lpt_count_weight >= 0:
             raise ParameterError("lpt_count_weight", "must be >= 0")
@@ -280,6 +283,13 @@ class BalanceRouteParams:
         if self.stage1 == "lpt":
             return "lpt", True
         return AUTO_SHORT_POOL, True
+
+    @property
+    def effective_guard(self) -> GuardRule:
+        """``guard``, or when unset ``idle`` for BR-H and ``always`` for BR-0."""
+        if self.guard is not None:
+            return self.guard
+        return "idle" if self.horizon > 0 else "always"
 
     def effective_r_max(self, workers: int) -> int:
         """``r_max``, or the default window when unset (see the attribute)."""
@@ -727,7 +737,7 @@ class _Round:
         more than ``s_greedy`` slots, so that Stage 1, which admits whatever F says, runs
         once enough slots are free (an idle fleet included)."""
         fleet = self.fleet
-        return (self.params.guard == "idle" and fleet.workers >= 2
+        return (self.params.effective_guard == "idle" and fleet.workers >= 2
                 and fleet.workers * fleet.capacity > self.params.s_greedy)
 
     def _wait(self, worker: int, candidates: list[int]) -> bool:

@@ -7,7 +7,6 @@ from fastapi.testclient import TestClient
 from predictor.app import create_app
 from predictor.cli import main
 from predictor.settings import Settings
-from router_client.admission import GUARD_RULES, BalanceRouteParams
 from router_client.synth import synthesize
 
 POLICIES = ["jsq", "ltl", "br0", "brh-survival", "brh-oracle"]
@@ -79,7 +78,7 @@ def test_rest_comparison_takes_the_short_pool_rule_as_the_cli_does(tmp_path):
 def test_rest_comparison_takes_the_stage2_order_as_the_cli_does(tmp_path):
     """``stage2_order``, ``stage2_fill`` and ``guard`` reach BR-0 and BR-H as
     ``--stage2-order``, ``--stage2-fill`` and ``--guard`` do: the REST rows with ``margin``,
-    fill and the guard that is not the default equal the CLI's (and differ
+    fill and the guard ``always`` (BR-H's default is ``idle``) equal the CLI's (and differ
     from the paper's Stage 2 at backlog, where Stage 2
     decides: short outputs free several slots a step)."""
     trace = synthesize("synth:long:n=400,seed=5,output_mean=20,prompt_mean=800")
@@ -88,7 +87,7 @@ def test_rest_comparison_takes_the_stage2_order_as_the_cli_does(tmp_path):
                                                 trace.output_tokens, strict=True))
     (tmp_path / "t.csv").write_text(content)
     rows = {}
-    other_guard = next(g for g in GUARD_RULES if g != BalanceRouteParams.guard)
+    other_guard = "always"  # BR-H's default is idle (BR-0's always): BR-H's rows change
     with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'so.db'}"))) as c:
         for order in ("slots", "margin"):
             body = {"policies": ["br0", "brh-oracle"], "workers": [4], "batch": 8,

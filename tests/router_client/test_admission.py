@@ -470,12 +470,21 @@ def test_guard_idle_lets_brh_admit_where_only_its_lookahead_objects():
     for prompt, admitted in ((30, True), (50, True), (90, False)):
         pool = [WaitingRequest(0, prompt), WaitingRequest(1, prompt)]
         view = replace(fleet, pool_c_hat=np.full(len(pool), 80.0))
-        params = BalanceRouteParams(gamma=0.9, s_greedy=1)
+        params = BalanceRouteParams(gamma=0.9, s_greedy=1, guard="always")
         always, stats = route_round(view, pool, params)
         assert [(a.pool_index, a.worker) for a in always] == [(0, 1)]
         assert stats.starvation_guard_admissions == 1  # BR-H's F <= 0 in every case
         idle, _ = route_round(view, pool, replace(params, guard="idle"))
         assert idle == (always if admitted else [])
+        assert route_round(view, pool, replace(params, guard=None))[0] == idle  # the default
+
+
+def test_the_guard_defaults_to_idle_for_brh_and_always_for_br0():
+    assert BalanceRouteParams().effective_guard == "idle"
+    assert BalanceRouteParams.br0().effective_guard == "always"
+    assert BalanceRouteParams().as_br0().effective_guard == "always"  # BR-H's fallback
+    assert BalanceRouteParams(guard="idle").as_br0().effective_guard == "idle"
+    assert BalanceRouteParams.br0(guard="idle").effective_guard == "idle"
 
 
 @pytest.mark.parametrize("horizon", [0, 80])

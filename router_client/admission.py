@@ -243,8 +243,10 @@ class BalanceRouteParams:
 
     @classmethod
     def paper(cls, **overrides: object) -> BalanceRouteParams:
-        """The paper's BR-H: ``beta = 43`` (its G = 8 deployment point), constant ``D``."""
-        settings: dict[str, object] = {"beta": 43.0, "candidate_life": False}
+        """The paper's BR-H: ``beta = 43`` (its G = 8 deployment point), constant ``D``, the
+        guard that always admits."""
+        settings: dict[str, object] = {"beta": 43.0, "candidate_life": False,
+                                       "guard": "always"}
         settings.update(overrides)
         return cls(**settings)  # type: ignore[arg-type]
 

@@ -29,7 +29,10 @@ subset of the first ``r_max`` waiting requests, of size at most its free slots, 
 F (:mod:`router_client.subset`); with ``stage2_fill=True`` (BF-IO's subset rule, an option)
 the most requests that fit together under the current maximum (then the largest total; BR-H:
 the highest F among them), the F-best subset only where none fits.
-Starvation guard: if the best F is not positive, the single best request is admitted anyway.
+Starvation guard: if the best F is not positive, the single best request is admitted anyway
+(``guard="always"``, the paper's, BR-0's default); under ``guard="idle"`` (BR-H's default) the
+worker waits for a later round where no request would lower the imbalance now, Stage 1
+keeping the fleet live.
 
 BR-H scores a candidate by the work it really adds (``candidate_life``, default): ``s + h`` at
 step h while its own ``c_hat`` says it runs, 0 after (:func:`router_client.fscore.candidate_rows`);

@@ -31,7 +31,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -43,7 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from router_client.admission import BalanceRouteParams
+from router_client.admission import GUARD_RULES, BalanceRouteParams, GuardRule
 from router_client.client import RouterClient, RouterConfig
 from router_client.http_predictor import HttpPredictor
 from router_client.policies import make_policy
@@ -87,6 +87,8 @@ class ProxyConfig:
     prefill_kv_budget: int = 2_000_000
     retries: int = 1
     step_s: float | None = None  # the fleet's decode step: one routing round per step at most
+    guard: GuardRule | None = None  # BR's starvation guard (None: idle for brh, always for br0)
+    step_overhead: float | None = None  # b / a of the ranks' step time, KV tokens
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -95,6 +97,10 @@ class ProxyConfig:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}")
         if self.policy == "brh" and not self.predictor_url:
             raise ValueError("--policy brh needs --predictor-url")
+        if self.guard is not None and self.guard not in GUARD_RULES:
+            raise ValueError(f"--guard must be one of {', '.join(GUARD_RULES)}")
+        if self.step_overhead is not None and not self.step_overhead >= 0:
+            raise ValueError("--step-overhead must be >= 0 KV tokens")
 
 
 class ProxyError(Exception):
@@ -165,6 +171,7 @@ class Proxy:
         capacity = config.batch * (2 if config.bypass else 1)
         params = (BalanceRouteParams(horizon=config.horizon) if config.policy == "brh"
                   else BalanceRouteParams.br0())
+        params = replace(params, guard=config.guard, step_overhead=config.step_overhead)
         self.predictor: BackgroundPredictor | None = None
         predictor: Predictor | None = None
         if config.policy == "brh" and config.predictor_url:

@@ -74,6 +74,14 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     proxy.add_argument("--connect-timeout", type=_positive_float, default=10.0,
                        help="seconds to open a connection to a rank before it is marked down "
                        "(default 10: a busy host accepts late, a dead one refuses at once)")
+    proxy.add_argument("--guard", default=None, choices=["always", "idle"],
+                       help="BR's starvation guard where every candidate overflows a rank's "
+                       "margin: always admit the best one (the paper's, br0's default) or "
+                       "leave the slot empty this round where that pays (brh's default)")
+    proxy.add_argument("--step-overhead", type=float, default=None, metavar="TOKENS",
+                       help="the ranks' fixed step cost B/A of step time A*max_load+B, in KV "
+                       "tokens, that the guard idle weighs (default 66667: 0.010 s at "
+                       "1.5e-7 s per token)")
     proxy.add_argument("--prefill-kv-budget", type=int, default=2_000_000,
                        help="KV tokens one prefill instance may hold for pending hand-offs")
     proxy.set_defaults(handler=cmd_proxy)
@@ -166,7 +174,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                          engine_timeout_s=args.engine_timeout,
                          connect_timeout_s=args.connect_timeout,
                          step_s=args.step_ms / 1000 if args.step_ms else None,
-                         prefill_kv_budget=args.prefill_kv_budget)
+                         prefill_kv_budget=args.prefill_kv_budget, guard=args.guard,
+                         step_overhead=args.step_overhead)
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="warning",
                 access_log=False, timeout_keep_alive=30, backlog=4096)
     return 0

@@ -123,7 +123,8 @@ def run_policy(trace: Trace, policy: str, config: FleetBenchConfig, workdir: str
     port = _free_base(1)
     proxy = ["proxy", "--decode", ranks, "--port", str(port), "--policy", policy,
              "--batch", str(B), "--pool-ttl", "3600", "--engine-timeout", "600",
-             "--step-ms", f"{1000 * step_wall_s(trace, config):.3f}", *extra]
+             "--step-ms", f"{1000 * step_wall_s(trace, config):.3f}",
+             "--step-overhead", repr(b / a if a > 0 else float("inf")), *extra]
     url = f"http://127.0.0.1:{port}"
     with spawned(emulate, f"http://127.0.0.1:{base}/health",
                  os.path.join(workdir, f"emulate-{policy}.log")), \

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from itertools import combinations, islice
 from math import comb
@@ -70,6 +70,10 @@ Stage2Order = Literal["slots", "margin"]
 STAGE2_ORDERS: tuple[str, ...] = get_args(Stage2Order)
 GuardRule = Literal["always", "idle"]
 GUARD_RULES: tuple[str, ...] = get_args(GuardRule)
+# The decode step's fixed cost in KV tokens, b / a of T = a max L + b, where neither the
+# parameters nor the fleet view give it: the simulator's default step cost (0.010 s over
+# 1.5e-7 s per token; router_client.simulator.DEFAULT_STEP_COST).
+DEFAULT_STEP_OVERHEAD = 0.010 / 1.5e-7
 AUTO_SHORT_POOL: Literal["lpt", "best-pair"] = "lpt"  # BR-0's short-pool rule in auto (README)
 # BR-H's Stage-1 rule on a short pool under auto, by its ``short_pool`` setting
 _SHORT_POOL_STAGE1: dict[str, Literal["best-pair", "lpt", "lpt-f", "lpt-fit"]] = {
@@ -204,6 +208,7 @@ class BalanceRouteParams:
     stage2_fill: bool = False
     fit_horizon: float | None = None
     guard: GuardRule | None = None
+    step_overhead: float | None = None
 
     def __post_init__(self) -> None:
         if self.horizon < 0:
@@ -236,6 +241,8 @@ class BalanceRouteParams:
             raise ParameterError("stage2_order", f"must be one of {', '.join(STAGE2_ORDERS)}")
         if self.guard is not None and self.guard not in GUARD_RULES:
             raise ParameterError("guard", f"must be one of {', '.join(GUARD_RULES)}")
+        if self.step_overhead is not None and not self.step_overhead >= 0:
+            raise ParameterError("step_overhead", "must be >= 0 KV tokens (or None)")
         if not self.lpt_count_weight >= 0:
             raise ParameterError("lpt_count_weight", "must be >= 0")
 
@@ -313,6 +320,7 @@ class BalanceRouteParams:
             stage2_order=self.stage2_order,
             stage2_fill=self.stage2_fill,
             guard=self.guard,
+            step_overhead=self.step_overhead,
         )
 
 
@@ -509,7 +517,9 @@ def route_round(
 
 @lru_cache(maxsize=64)
 def _as_br0(params: BalanceRouteParams) -> BalanceRouteParams:
-    return params.as_br0()
+    """BR-0's parameters for a BR-H round at gamma 0, keeping BR-H's guard (``idle`` by
+    default: the round is BR-H's, scored as BR-0 scores it)."""
+    return replace(params.as_br0(), guard=params.effective_guard)
 
 
 def reachable_head(pool: int, params: BalanceRouteParams, workers: int, total_free: int) -> int:
@@ -619,7 +629,8 @@ class _Round:
                                    self.params.effective_r_max(self.fleet.workers),
                                    self.table.beta, self.params.stage2_order,
                                    self.params.stage2_fill,
-                                   "idle" if self._guard_waits() else "always")
+                                   "idle" if self._guard_waits() else "always",
+                                   self.fleet.capacity, self._active(), self._overhead())
         for index, worker, guard in done.admitted:
             self.out.append(Assignment(index, worker, guard))
             self.stats.stage2_admissions += 1
@@ -739,8 +750,9 @@ class _Round:
 
     def _guard_waits(self) -> bool:
         """Whether the guard ``idle`` applies: G >= 2 (a margin exists) and the fleet has
-        more than ``s_greedy`` slots, so that Stage 1, which admits whatever F says, runs
-        once enough slots are free (an idle fleet included)."""
+        more than ``s_greedy`` slots (Stage 1, which admits whatever F says, can run). It
+        never holds back a worker with no request (:meth:`_wait`): every worker empties
+        in the end, so no request waits for ever (a rank masked as down included)."""
         fleet = self.fleet
         return (self.params.effective_guard == "idle" and fleet.workers >= 2
                 and fleet.workers * fleet.capacity > self.params.s_greedy)
@@ -751,12 +763,24 @@ class _Round:
         step 0, ``s - G max(0, s - m)``, not positive for any: BR-H leaves a slot empty
         only where BR-0 would, and where its lookahead alone objects it admits its best
         request as the guard ``always`` does)."""
-        if not self._guard_waits():
-            return False
-        sizes = self.sizes[candidates]
-        margin = self.table.current_margin(worker)
-        now = sizes - self.fleet.workers * np.maximum(0.0, sizes - margin)
+        if not self._guard_waits() or self.free[worker] >= self.fleet.capacity:
+            return False  # an empty worker never waits: nothing else would fill it
+        now = fastpath.now_scores(self.sizes[candidates], self.table.current_margin(worker),
+                                  self.fleet.workers, self._active(), self._overhead())
         return not bool((now > 0).any())
+
+    def _active(self) -> int:
+        """Active requests in the fleet once this round's admissions so far have started."""
+        return int(self.fleet.active_counts.sum()) + len(self.out)
+
+    def _overhead(self) -> float:
+        """``b / a`` of the step time ``a M + b``, in KV tokens: the parameters', else the
+        fleet's (the simulator knows its step-cost model), else the default."""
+        if self.params.step_overhead is not None:
+            return self.params.step_overhead
+        if self.fleet.step_overhead is not None:
+            return self.fleet.step_overhead
+        return DEFAULT_STEP_OVERHEAD
 
     def _subset(self, worker: int, candidates: list[int]) -> SubsetChoice | None:
         if self.rows is not None:

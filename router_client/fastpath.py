@@ -258,14 +258,18 @@ class Stage2Result:
 
 def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: list[int],
                r_max: int, beta: float, order_by: str = "slots",
-               fill_slots: bool = False, guard: str = "always") -> Stage2Result:
+               fill_slots: bool = False, guard: str = "always",
+               capacity: int | None = None, active: int = 0,
+               overhead: float = 0.0) -> Stage2Result:
     """The reference's Stage 2 at H = 0 on scalar state: workers by (most free slots, widest
     margin, index) (``order_by="slots"``) or by (widest margin, index) (``"margin"``), each
     the exact best subset of the first ``r_max`` waiting requests
     (:func:`router_client.subset.best_subset`, peak at the margin; ``fill_slots`` as there),
     starvation guard alike (``guard="idle"``: where it applies this round, see
     ``admission._Round._guard_waits``, a worker takes nothing where no candidate alone
-    scores F > 0)."""
+    scores F > 0; a worker with no request, all ``capacity`` slots free, never waits)."""
+    if guard not in ("always", "idle"):
+        raise ValueError(f"guard must be 'always' or 'idle', not {guard!r}")
     load = loads.astype(np.float64).tolist()
     envelope = max(load)
     slots = free.tolist()
@@ -290,7 +294,9 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
         if choice.score > 0:
             picked = [candidates[k] for k in choice.indices]
             forced = False
-        elif guard == "always" or bool((score(sizes[candidates]) > 0).any()):
+        elif (guard == "always" or (capacity is not None and slots[worker] >= capacity)
+              or bool((now_scores(sizes[candidates], margin, len(load),
+                                  active + len(admitted), overhead) > 0).any())):
             # starvation guard: the single best request, even at F <= 0
             picked = [candidates[int(np.argmax(score(sizes[candidates])))]]
             forced = True
@@ -303,6 +309,20 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
         taken = set(picked)
         waiting = [i for i in candidates if i not in taken] + waiting[len(candidates):]
     return Stage2Result(admitted, waiting)
+
+
+def now_scores(sizes: np.ndarray, margin: float, workers: int, active: int,
+               overhead: float) -> np.ndarray:
+    """What the guard ``idle`` weighs (``admission._Round._wait``): BR-0's F at step 0,
+    ``s - G max(0, s - m)``, plus the admission's share of the step's fixed cost,
+    ``G overhead / N`` (``overhead = b / a`` in KV tokens, ``N`` active requests). From the
+    throughput of a step, ``N / (a M + b)``: one more request raises it though it overflows
+    the maximum ``M`` by ``o`` where ``N o < M + b / a``; with ``M`` about ``N s / G`` that is
+    ``s - G o + G (b / a) / N > 0``. Where a step's cost is mostly fixed (few requests, or a
+    large ``b``), a slot is worth an overflow; where ``b / a`` is 0 this is BR-0's F now."""
+    over = np.maximum(0.0, sizes - margin)
+    share = workers * overhead / max(active, 1) if overhead > 0 else 0.0
+    return sizes - workers * over + share
 
 
 def best_single(totals: list[int], margin: float, beta: float,

@@ -54,6 +54,9 @@ class FleetView:
             within H and the mean remaining if it does, when the predictor gives them; BR-H
             then projects the expected load under that two-point law instead of a
             deterministic end at ``c_hat``.
+        step_overhead: ``b / a`` of the fleet's step time ``a max_g L_g + b``, in KV tokens,
+            where known (the simulator's step-cost model); the guard ``idle`` weighs an
+            overflow against it (``BalanceRouteParams.step_overhead`` overrides it).
     """
 
     capacity: int
@@ -66,6 +69,7 @@ class FleetView:
     active_p_fin: np.ndarray | None = None
     active_mu_rem: np.ndarray | None = None
     arrival_rate: float | None = None
+    step_overhead: float | None = None
 
     @property
     def workers(self) -> int:

@@ -143,6 +143,8 @@ class Engine:
     def __init__(self, workers: int, batch: int, step_cost: tuple[float, float]) -> None:
         self.workers, self.batch = workers, batch
         self.step_cost = step_cost
+        a, b = step_cost  # the step's fixed cost in KV tokens (the router's guard reads it)
+        self.step_overhead = b / a if a > 0 else float("inf")
         slots = workers * batch
         self.request = np.full(slots, -1, dtype=np.int64)
         self.size = np.zeros(slots, dtype=np.int64)
@@ -167,6 +169,7 @@ class Engine:
             active_counts=np.bincount(self.worker[idx], minlength=self.workers),
             active_worker=self.worker[idx],
             active_size=self.size[idx].astype(np.float64),
+            step_overhead=self.step_overhead,
         )
 
     def free_slot(self, worker: int) -> int:

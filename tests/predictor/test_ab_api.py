@@ -107,6 +107,22 @@ def test_rest_comparison_takes_the_stage2_order_as_the_cli_does(tmp_path):
         row.pop("sim_wall_s")
     assert rows["margin"] == cli
     assert rows["slots"][0] != rows["margin"][0]
+    # the guard reaches BR-0 and BR-H: with no fixed step cost (B = 0) nothing pays for an
+    # overflowing admission, and "idle" leaves slots empty where "always" fills them
+    guarded = {}
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'g.db'}"))) as c:
+        for guard in ("always", "idle"):
+            job = wait(c, c.post("/v1/ab-comparisons", json={
+                "policies": ["br0", "brh-oracle"], "workers": [4], "batch": 8,
+                "load": "backlog", "guard": guard, "step_cost": [1.5e-7, 0.0],
+                "trace": {"format": "csv", "content": content}}).json()["id"])
+            assert job["status"] == "done", job
+            guarded[guard] = [{k: v for k, v in r.items() if k != "sim_wall_s"}
+                              for r in job["results"]]
+    for br0, brh in (guarded["always"], guarded["idle"]):  # the setting reaches both
+        assert (br0["policy"], brh["policy"]) == ("br0", "brh-oracle")
+    assert guarded["always"][0] != guarded["idle"][0]
+    assert guarded["always"][1] != guarded["idle"][1]
 
 
 def test_replaying_the_services_own_observations(tmp_path):

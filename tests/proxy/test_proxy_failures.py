@@ -102,3 +102,23 @@ def test_ranks_refusing_connections_do_not_fail_requests(launcher: Launcher):
     assert asyncio.run(_run(proxy.url, 16, 5)) == [5] * 16
     state = assert_quiescent(proxy)
     assert state["up"] == [False, False, False, True, True]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("policy_guard", [("br0", "idle"), ("br0", "always")])
+def test_the_guard_idle_keeps_an_empty_rank_working_while_another_is_down(
+        launcher: Launcher, policy_guard):
+    """Two ranks of four slots, one down (masked as full): the fleet's free slots (4) never
+    exceed ``s_greedy`` (7), so Stage 1 never runs, and with no fixed step cost to weigh
+    (``--step-overhead 0``) every 50-token prompt overflows the idle rank's margin (0). The
+    guard ``idle`` never holds back a rank that holds nothing: every request completes (it
+    once left them all waiting for the pool TTL)."""
+    policy, guard = policy_guard
+    healthy = launcher.emulator(workers=1, batch=4, time_scale=1.0)
+    dead = f"http://127.0.0.1:{free_ports(1)}"  # nothing listens there
+    proxy = launcher.proxy([healthy.url, dead], policy=policy, batch=4,
+                           extra=("--guard", guard, "--step-overhead", "0", "--pool-ttl", "20"))
+    _wait_for(lambda: proxy_state(proxy)["up"] == [True, False], "the dead rank to be marked down")
+    assert asyncio.run(_run(proxy.url, 6, 10)) == [10] * 6
+    state = assert_quiescent(proxy)
+    assert state["up"] == [True, False]

@@ -2,10 +2,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
+from proxy.dispatcher import RankMaskPolicy
 from router_client.admission import (
+    DEFAULT_STEP_OVERHEAD,
     STAGE1_RULES,
     BalanceRouteParams,
     build_table,
@@ -15,6 +17,7 @@ from router_client.admission import (
 from router_client.errors import ParameterError, UnknownPolicyError
 from router_client.fleet import ArrivalRate, FleetView, WaitingRequest
 from router_client.policies import BalanceRoutePolicy, make_policy
+from router_client.simulator import DEFAULT_STEP_COST
 
 ALL = ["random", "rr", "jsq", "p2c", "ltl", "br0", "brh-oracle"]
 
@@ -33,24 +36,38 @@ def random_pool(rng, n):
 
 @given(seed=st.integers(0, 2**32 - 1), workers=st.integers(1, 6), capacity=st.integers(1, 6),
        pool_size=st.integers(0, 40), policy=st.sampled_from(ALL),
-       stage1=st.sampled_from(STAGE1_RULES))
-def test_round_invariants(seed, workers, capacity, pool_size, policy, stage1):
+       stage1=st.sampled_from(STAGE1_RULES), guard=st.sampled_from([None, "always", "idle"]))
+@example(seed=0, workers=6, capacity=1, pool_size=1, policy="brh-oracle", stage1="paper",
+         guard=None)  # (three empty workers, BR-H once left them all empty)
+def test_round_invariants(seed, workers, capacity, pool_size, policy, stage1, guard):
     rng = np.random.default_rng(seed)
     fleet = random_fleet(rng, workers, capacity)
     pool = random_pool(rng, pool_size)
-    params = BalanceRouteParams(stage1=stage1, s_greedy=int(rng.integers(0, 8)))
+    params = BalanceRouteParams(stage1=stage1, s_greedy=int(rng.integers(0, 8)), guard=guard)
     decision = make_policy(policy, seed=seed, params=params).route(fleet, pool)
     indices = [a.pool_index for a in decision.assignments]
     assert len(indices) == len(set(indices)), "a request assigned twice"
     assert all(0 <= i < len(pool) for i in indices), "assigned a request not in the pool"
     per_worker = np.bincount([a.worker for a in decision.assignments], minlength=workers)
     assert np.all(fleet.active_counts + per_worker <= capacity), "a worker above B"
-    # work conservation: every policy fills what it can (the starvation guard ensures it)
+    # work conservation: every policy fills what it can (the starvation guard ensures it);
+    # under the guard idle a round may leave every slot empty, but never an empty worker's
     free = int(fleet.free_slots.sum())
+    empty_with_room = bool(((fleet.active_counts == 0) & (fleet.free_slots > 0)).any())
+    guard_idle = (make_policy(policy, params=params).params.effective_guard == "idle"
+                  if policy in ("br0", "brh-oracle") else False)
     if policy in ("random", "rr", "jsq", "p2c", "ltl"):
         assert len(indices) == min(free, pool_size)
-    else:
+    elif empty_with_room or not guard_idle:
         assert len(indices) >= min(1, free, pool_size)
+    if policy in ("br0", "brh-oracle") and len(indices) < pool_size:
+        # requests still wait: under "always" every worker with a free slot took one; under
+        # "idle" every worker that held nothing did (the guard never holds back an empty
+        # worker, so no request waits for ever)
+        took = set(per_worker.nonzero()[0].tolist())
+        room = fleet.free_slots > 0
+        must = room & (fleet.active_counts == 0) if guard_idle else room
+        assert set(np.flatnonzero(must).tolist()) <= took
 
 
 @given(seed=st.integers(0, 2**32 - 1), workers=st.integers(1, 8), capacity=st.integers(1, 8),
@@ -163,7 +180,11 @@ def test_a_filling_fleet_is_routed_as_br0_where_arrivals_come_every_step():
         pool = random_pool(rng, int(rng.integers(1, 8)))
         brh, stats = route_round(fleet, pool, BalanceRouteParams(horizon=10))
         assert stats.extra["gamma"] == 0.0
-        assert brh == route_round(fleet, pool, BalanceRouteParams.br0())[0]
+        # BR-0's stages with BR-H's guard ("idle" by default, as an explicit "idle")
+        assert brh == route_round(fleet, pool, BalanceRouteParams.br0(guard="idle"))[0]
+        assert brh == route_round(fleet, pool, BalanceRouteParams(guard="idle"))[0]
+        always, _ = route_round(fleet, pool, BalanceRouteParams(guard="always"))
+        assert always == route_round(fleet, pool, BalanceRouteParams.br0())[0]
         _, before = route_round(fleet, pool, BalanceRouteParams(horizon=10,
                                                                 turnover_arrivals=False))
         assert before.extra["gamma"] == pytest.approx(0.9)
@@ -185,8 +206,9 @@ def test_arrival_rate_is_the_mean_of_the_steps_seen_weighted_toward_recent():
 
 def test_a_round_with_gamma_0_is_routed_as_br0():
     """Where the next admission to a worker comes within a step (gamma 0), BR-H routes the
-    round exactly as BR-0 (Stage-1 rule included: a short pool goes largest first), and
-    reports gamma 0; with the paper's beta (not alpha G) it keeps its own score."""
+    round exactly as BR-0 with BR-H's guard (Stage-1 rule included: a short pool goes
+    largest first), and reports gamma 0; with the paper's beta (not alpha G) it keeps its
+    own score."""
     rng = np.random.default_rng(11)
     for _ in range(30):
         fleet = random_fleet(rng, 4, 8)
@@ -196,7 +218,11 @@ def test_a_round_with_gamma_0_is_routed_as_br0():
         pool = random_pool(rng, int(rng.integers(1, 12)))  # short pools and saturated ones
         brh, stats = route_round(fleet, pool, BalanceRouteParams())
         assert stats.extra["gamma"] == 0.0
-        assert brh == route_round(fleet, pool, BalanceRouteParams.br0())[0]
+        # BR-0's stages with BR-H's guard ("idle" by default, as an explicit "idle")
+        assert brh == route_round(fleet, pool, BalanceRouteParams.br0(guard="idle"))[0]
+        assert brh == route_round(fleet, pool, BalanceRouteParams(guard="idle"))[0]
+        always, _ = route_round(fleet, pool, BalanceRouteParams(guard="always"))
+        assert always == route_round(fleet, pool, BalanceRouteParams.br0())[0]
         paper, paper_stats = route_round(fleet, pool, BalanceRouteParams.paper(gamma=None))
         assert paper_stats.extra["gamma"] == 0.0
 
@@ -438,23 +464,56 @@ def test_guard_idle_leaves_the_slots_empty_where_no_request_lowers_the_imbalance
     fleet = FleetView(2, np.array([1000.0, 1000.0]), np.array([1, 1]), np.array([0, 1]),
                       np.array([1000.0, 1000.0]))
     pool = [WaitingRequest("a", 300), WaitingRequest("b", 100), WaitingRequest("c", 200)]
+    # (no fixed step cost here, step_overhead 0: the weighing is the imbalance alone)
     always, stats = route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=2))
     assert [a.pool_index for a in always] == [1, 2] and stats.starvation_guard_admissions == 2
+    idle = BalanceRouteParams.br0(s_greedy=2, guard="idle", step_overhead=0.0)
     for reference in (True, False):
-        got, stats = route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=2, guard="idle"),
-                                 reference=reference)
+        got, stats = route_round(fleet, pool, idle, reference=reference)
         assert got == [] and stats.starvation_guard_admissions == 0
     # a request that fits under a margin is still admitted: worker 0 at 900 (margin 100)
     lower = replace(fleet, loads=np.array([900.0, 1000.0]), active_size=np.array([900.0,
                                                                                     1000.0]))
-    got, _ = route_round(lower, pool, BalanceRouteParams.br0(s_greedy=2, guard="idle"))
+    got, _ = route_round(lower, pool, idle)
     assert [(a.pool_index, a.worker, a.starvation_guard) for a in got] == [(1, 0, False)]
     # where Stage 1 could never run (4 slots <= s_greedy 7) or G = 1, "idle" is "always"
-    assert route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=7, guard="idle"))[0] == \
+    assert route_round(fleet, pool, replace(idle, s_greedy=7))[0] == \
         route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=7))[0]
     single = FleetView(2, np.array([1000.0]), np.array([1]), np.array([0]), np.array([1000.0]))
-    got, stats = route_round(single, pool, BalanceRouteParams.br0(s_greedy=1, guard="idle"))
+    got, stats = route_round(single, pool, replace(idle, s_greedy=1))
     assert len(got) == 1 and stats.starvation_guard_admissions == 1
+
+
+@pytest.mark.parametrize("reference", [True, False])
+def test_guard_idle_weighs_an_overflow_against_the_steps_fixed_cost(reference):
+    # The fleet above (G = 2, one request each at 1,000 tokens, margins 0; pool 300, 100,
+    # 200). Worker 0 chooses first (by index) and sees N = 2 active requests: the 100-token
+    # request scores F now = 100 - 2 * 100 = -100, plus its share of the step's fixed cost
+    # b / a, 2 (b / a) / 2. With b / a = 90 tokens: -10, nothing is admitted (nor on worker
+    # 1, alike). With 110: +10, admitted (the guard's pick); worker 0 at 1,100 then leaves
+    # worker 1 a margin of 100 and N = 3: the 200-token request scores 200 - 2 * 100 +
+    # 2 * 110 / 3 > 0, admitted too.
+    fleet = FleetView(2, np.array([1000.0, 1000.0]), np.array([1, 1]), np.array([0, 1]),
+                      np.array([1000.0, 1000.0]))
+    pool = [WaitingRequest("a", 300), WaitingRequest("b", 100), WaitingRequest("c", 200)]
+    params = BalanceRouteParams.br0(s_greedy=2, guard="idle", step_overhead=90.0)
+    assert route_round(fleet, pool, params, reference=reference)[0] == []
+    params = replace(params, step_overhead=110.0)
+    got, stats = route_round(fleet, pool, params, reference=reference)
+    assert [(a.pool_index, a.worker, a.starvation_guard) for a in got] == [(1, 0, True),
+                                                                           (2, 1, True)]
+    # a fleet view that knows its fixed cost (the simulator's) is read where the parameters
+    # leave it unset; the parameters' value wins
+    unset = replace(params, step_overhead=None)
+    assert route_round(replace(fleet, step_overhead=110.0), pool, unset,
+                       reference=reference)[0] == got
+    assert route_round(replace(fleet, step_overhead=110.0), pool,
+                       replace(params, step_overhead=0.0), reference=reference)[0] == []
+    # the default (the simulator's default step cost, 66,667 tokens) admits where so few
+    # requests share a step: the guard "always"'s choice
+    assert route_round(fleet, pool, unset, reference=reference)[0] == \
+        route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=2), reference=reference)[0]
+    assert DEFAULT_STEP_OVERHEAD == pytest.approx(DEFAULT_STEP_COST[1] / DEFAULT_STEP_COST[0])
 
 
 def test_guard_idle_lets_brh_admit_where_only_its_lookahead_objects():
@@ -470,13 +529,39 @@ def test_guard_idle_lets_brh_admit_where_only_its_lookahead_objects():
     for prompt, admitted in ((30, True), (50, True), (90, False)):
         pool = [WaitingRequest(0, prompt), WaitingRequest(1, prompt)]
         view = replace(fleet, pool_c_hat=np.full(len(pool), 80.0))
-        params = BalanceRouteParams(gamma=0.9, s_greedy=1, guard="always")
+        params = BalanceRouteParams(gamma=0.9, s_greedy=1, guard="always",
+                                    step_overhead=0.0)  # no fixed step cost here
         always, stats = route_round(view, pool, params)
         assert [(a.pool_index, a.worker) for a in always] == [(0, 1)]
         assert stats.starvation_guard_admissions == 1  # BR-H's F <= 0 in every case
         idle, _ = route_round(view, pool, replace(params, guard="idle"))
         assert idle == (always if admitted else [])
         assert route_round(view, pool, replace(params, guard=None))[0] == idle  # the default
+
+
+def test_guard_idle_never_holds_back_a_worker_with_no_request():
+    # G = 2, B = 4: worker 0 holds one request (1,000 tokens, 5,000 steps left), worker 1
+    # none. Every waiting request (5,000 tokens) overflows either margin by more than it
+    # fills: "idle" would wait, but worker 1 holds nothing and nothing else would fill it
+    fleet = FleetView.from_active(2, 4, np.array([0]), np.array([1000.0]), np.array([5000.0]))
+    pool = [WaitingRequest(i, 5000) for i in range(8)]
+    view = replace(fleet, pool_c_hat=np.full(len(pool), 200.0))
+    for reference in (True, False):
+        got, stats = route_round(view, pool, BalanceRouteParams(), reference=reference)
+        assert 1 in {a.worker for a in got} and stats.starvation_guard_admissions >= 1
+        got, _ = route_round(fleet, pool, BalanceRouteParams.br0(guard="idle"),
+                             reference=reference)
+        assert 1 in {a.worker for a in got}
+    # a rank the proxy masks as down (shown full) leaves an idle rank 0: it takes a request
+    # though the fleet's free slots (4) never exceed s_greedy (7), so Stage 1 never runs
+    idle = FleetView.from_active(2, 4, np.array([], dtype=int), np.array([]), np.array([]))
+    pool = [WaitingRequest(i, 500) for i in range(5)]
+    view = replace(idle, pool_c_hat=np.full(len(pool), 40.0))
+    for params in (BalanceRouteParams(), BalanceRouteParams.br0(guard="idle")):
+        masked = RankMaskPolicy(make_policy("brh" if params.horizon else "br0", params=params),
+                                [True, False])
+        assert [(a.pool_index, a.worker) for a in masked.route(view, pool).assignments] == \
+            [(0, 0)]
 
 
 def test_the_guard_defaults_to_idle_for_brh_and_always_for_br0():

@@ -105,10 +105,11 @@ def load_value(load: str) -> float | str:
 
 def compare(trace: Trace, load: str, workers: list[int], seed: int,
             variants: dict[str, dict[str, object]],
-            br0: dict[str, object] | None = None) -> Iterator[dict]:
+            br0: dict[str, object] | None = None, batch: int = 64) -> Iterator[dict]:
     """BR-0 once (``br0``: its :class:`BalanceRouteParams` fields, default none), then
-    ``brh-oracle`` under each variant, on the same trace and arrivals."""
-    config = SimConfig(batch=64, load=load_value(load), horizon=80, refresh_steps=10,
+    ``brh-oracle`` under each variant, on the same trace and arrivals (``batch`` slots per
+    worker)."""
+    config = SimConfig(batch=batch, load=load_value(load), horizon=80, refresh_steps=10,
                        seed=seed, record_trajectory=False)
     reference = BalanceRouteParams(**(br0 or {}))  # type: ignore[arg-type]
     base = {r["workers"]: r for r in abtest.run_comparison(trace, ["br0"], workers, config,
@@ -119,7 +120,7 @@ def compare(trace: Trace, load: str, workers: list[int], seed: int,
                                          params=params).rows:
             b = base[row["workers"]]
             yield {"variant": name, "fields": fields, "load": load, "workers": row["workers"],
-                   "seed": seed,
+                   "seed": seed, "batch": batch,
                    "throughput_ratio": row["throughput_tok_s"] / b["throughput_tok_s"],
                    "imbalance_ratio": row["imbalance_maxmin_mean"] / b["imbalance_maxmin_mean"],
                    "gamma_mean": row.get("gamma_mean"), "br0_fields": br0 or {},
@@ -142,7 +143,8 @@ def cmd_matrix(args: argparse.Namespace) -> None:
     for name, seed in itertools.product(args.traces, args.seeds):
         trace = replicate(name, seed, args.requests)
         for load in args.loads:
-            emit(args.json, compare(trace, load, args.workers, seed, variants, args.br0),
+            emit(args.json, compare(trace, load, args.workers, seed, variants, args.br0,
+                                    args.batch),
                  {"trace": name, "requests": len(trace)})
 
 
@@ -153,7 +155,8 @@ def cmd_families(args: argparse.Namespace) -> None:
         spec = (f"synth:long:output_mean={om},prompt_mean={pm},n={args.requests},"
                 f"max_output=16384,seed={seed}")
         trace = load_trace(spec, "auto", None)
-        emit(args.json, compare(trace, load, args.workers, seed, variants, args.br0),
+        emit(args.json, compare(trace, load, args.workers, seed, variants, args.br0,
+                                args.batch),
              {"trace": f"long-o{om}-p{pm}", "requests": len(trace)})
 
 
@@ -208,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--variant", action="append", default=[],
                        help="NAME=field=value,... (BalanceRouteParams for BR-H; repeatable)")
         p.add_argument("--workers", type=ints, default=[4, 8, 16])
+        p.add_argument("--batch", type=int, default=64, help="B slots per worker (default 64)")
         p.add_argument("--seeds", type=ints, default=[0])
         p.add_argument("--requests", type=int, default=10000 if name == "matrix" else 4000)
         p.add_argument("--loads", type=lambda t: t.split(","), default=LOADS)

@@ -31,8 +31,9 @@ the most requests that fit together under the current maximum (then the largest 
 the highest F among them), the F-best subset only where none fits.
 Starvation guard: if the best F is not positive, the single best request is admitted anyway
 (``guard="always"``, the paper's, BR-0's default); under ``guard="idle"`` (BR-H's default) the
-worker waits for a later round where no request would lower the imbalance now, Stage 1
-keeping the fleet live.
+worker waits for a later round where no request would lower the imbalance now even counting
+its share of the step's fixed cost (:func:`router_client.fastpath.now_scores`); a worker with
+no request never waits.
 
 BR-H scores a candidate by the work it really adds (``candidate_life``, default): ``s + h`` at
 step h while its own ``c_hat`` says it runs, 0 after (:func:`router_client.fscore.candidate_rows`);
@@ -174,17 +175,27 @@ class BalanceRouteParams:
             slots empty this round where, in addition, no candidate would lower the
             imbalance now (BR-0's F at step 0 not positive for any; so BR-H, whose lookahead
             may object where BR-0 would not, then admits its best request as under
-            ``always``). Liveness comes from Stage 1, which admits whatever F says once the
-            free slots exceed ``s_greedy`` (so ``idle`` acts only with G >= 2 and more than
-            ``s_greedy`` slots in the fleet; elsewhere it is ``always``); BF-IO's simulator
-            likewise forces a request only after three failed tries on one worker. ``None``
-            (default): ``idle`` for BR-H (since 2026-12-02: with true lengths it raises
-            BR-H's gain over BR-0 and clears the imbalance flag at Mooncake G = 4),
-            ``always`` for BR-0 (the paper's; ``idle`` is a measured option there, see the
-            README).
+            ``always``). The "now" score adds the admission's share of the step's fixed
+            cost, ``G step_overhead / N`` (:func:`router_client.fastpath.now_scores`): where
+            a step costs mostly its fixed part (small batches), a filled slot is worth an
+            overflow and the worker does not wait. A worker with no request never waits
+            (liveness: otherwise a saturated fleet whose pool holds only requests that
+            overflow could stall; found by hypothesis). ``idle`` acts only with G >= 2 and
+            more than ``s_greedy`` slots in the fleet (where Stage 1 runs); elsewhere it is
+            ``always``; BF-IO's simulator likewise forces a request only after three
+            failed tries on one worker. ``None`` (default): ``idle`` for BR-H (since
+            2026-12-02: with true lengths it raises BR-H's gain over BR-0 and clears the
+            imbalance flag at Mooncake G = 4), ``always`` for BR-0 (the paper's; ``idle``
+            is a measured option there, see the README). Rounds that fall back to BR-0
+            (``gamma`` 0) keep BR-H's guard.
         fit_horizon: with ``short_pool="lpt-fit"``, a round whose effective horizon
             ``1 / (1 - gamma)`` reaches this many steps places its short pool by F, as
             ``lpt`` (None, default: never; measured, not adopted, see the README).
+        step_overhead: the decode step's fixed cost in KV tokens, ``b / a`` for a step
+            costing ``a * max load + b`` seconds, which the guard ``idle`` weighs. ``None``
+            (default): the fleet view's (the simulator passes its step cost's), else
+            :data:`DEFAULT_STEP_OVERHEAD` (the simulator's default step cost, 66,667
+            tokens). 0 waits wherever BR-0's F now is not positive.
     """
 
     horizon: int = 80

@@ -7,8 +7,9 @@
     python tools/oracle_eval.py table --json rows.jsonl
 
 ``matrix``: the bundled and shared traces (Azure conversation, Mooncake conversation,
-ShareGPT, synth:long, synth:templated) at backlog, 1.5, 1.0 and 0.8, G = 4, 8, 16, B = 64, the
-default step cost. Replicate 0 is the first ``--requests`` requests (the README's matrix);
+ShareGPT, synth:long, synth:templated) at backlog, 1.5, 1.0 and 0.8, G = 4, 8, 16, B = 64
+(``--batch``), the default step cost. Replicate 0 is the first ``--requests`` requests (the
+README's matrix);
 replicate k > 0 of a file trace is its k-th window of ``--requests`` consecutive requests
 (requests ``k * n`` to ``(k + 1) * n - 1``) while the trace holds it, and past its end ``n``
 requests drawn at random (seeded by k) without replacement, kept in trace order with their

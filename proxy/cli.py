@@ -34,6 +34,16 @@ def _step_cost(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
 
 
+def _overhead(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of KV tokens: {text!r}") from None
+    if not value >= 0:  # NaN too; inf (a step with no per-token cost) is allowed
+        raise argparse.ArgumentTypeError("must be >= 0 KV tokens")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -78,7 +88,7 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
                        help="BR's starvation guard where every candidate overflows a rank's "
                        "margin: always admit the best one (the paper's, br0's default) or "
                        "leave the slot empty this round where that pays (brh's default)")
-    proxy.add_argument("--step-overhead", type=float, default=None, metavar="TOKENS",
+    proxy.add_argument("--step-overhead", type=_overhead, default=None, metavar="TOKENS",
                        help="the ranks' fixed step cost B/A of step time A*max_load+B, in KV "
                        "tokens, that the guard idle weighs (default 66667: 0.010 s at "
                        "1.5e-7 s per token)")

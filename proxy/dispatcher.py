@@ -71,9 +71,10 @@ class RankMaskPolicy:
         if not all(self.up):
             up = np.asarray(self.up, dtype=bool)
             counts = np.where(up, fleet.active_counts, fleet.capacity)
-            # a down rank looks full; everything else of the view (the predictor's law, the
-            # pool's c_hat, the arrival rate) is kept
-            fleet = replace(fleet, active_counts=counts)
+            # a down rank looks full (and is marked down: the guard idle does not count it);
+            # everything else of the view (the predictor's law, the pool's c_hat, the
+            # arrival rate) is kept
+            fleet = replace(fleet, active_counts=counts, down=~up)
         if not (fleet.free_slots > 0).any():
             self.last = Decision([])
             return self.last

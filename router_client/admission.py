@@ -641,7 +641,7 @@ class _Round:
                                    self.table.beta, self.params.stage2_order,
                                    self.params.stage2_fill,
                                    "idle" if self._guard_waits() else "always",
-                                   self.fleet.capacity, self._active(), self._overhead())
+                                   self._wait_context())
         for index, worker, guard in done.admitted:
             self.out.append(Assignment(index, worker, guard))
             self.stats.stage2_admissions += 1
@@ -760,38 +760,38 @@ class _Round:
                             + self.waiting[head:])
 
     def _guard_waits(self) -> bool:
-        """Whether the guard ``idle`` applies: G >= 2 (a margin exists) and the fleet has
-        more than ``s_greedy`` slots (Stage 1, which admits whatever F says, can run). It
-        never holds back a worker with no request (:meth:`_wait`): every worker empties
-        in the end, so no request waits for ever (a rank masked as down included)."""
+        """Whether the guard ``idle`` applies: G >= 2 workers up (a margin exists) with more
+        than ``s_greedy`` slots (Stage 1, which admits whatever F says, can run). It never
+        holds back a worker with no request (:meth:`_wait`)."""
         fleet = self.fleet
-        return (self.params.effective_guard == "idle" and fleet.workers >= 2
-                and fleet.workers * fleet.capacity > self.params.s_greedy)
+        return (self.params.effective_guard == "idle" and fleet.live_workers >= 2
+                and fleet.live_workers * fleet.capacity > self.params.s_greedy)
 
     def _wait(self, worker: int, candidates: list[int]) -> bool:
         """The guard ``idle``: whether ``worker`` (whose best subset scores F <= 0) takes
-        nothing this round, i.e. no candidate would lower the imbalance now (BR-0's F at
-        step 0, ``s - G max(0, s - m)``, not positive for any: BR-H leaves a slot empty
-        only where BR-0 would, and where its lookahead alone objects it admits its best
+        nothing this round, i.e. no candidate's overflow pays
+        (:func:`router_client.fastpath.overflow_pays`: neither this step's throughput nor,
+        with the maximum spread over the fleet, BR-0's F now plus the admission's share of
+        the step's fixed cost rises; where BR-H's lookahead alone objects it admits its best
         request as the guard ``always`` does)."""
         if not self._guard_waits() or self.free[worker] >= self.fleet.capacity:
             return False  # an empty worker never waits: nothing else would fill it
-        now = fastpath.now_scores(self.sizes[candidates], self.table.current_margin(worker),
-                                  self.fleet.workers, self._active(), self._overhead())
-        return not bool((now > 0).any())
+        context = self._wait_context()
+        pays = fastpath.overflow_pays(self.sizes[candidates], self.table.current_margin(worker),
+                                      float(self.table.envelope[0]), context.workers,
+                                      context.active, context.overhead)
+        return not bool(pays.any())
 
-    def _active(self) -> int:
-        """Active requests in the fleet once this round's admissions so far have started."""
-        return int(self.fleet.active_counts.sum()) + len(self.out)
-
-    def _overhead(self) -> float:
-        """``b / a`` of the step time ``a M + b``, in KV tokens: the parameters', else the
-        fleet's (the simulator knows its step-cost model), else the default."""
-        if self.params.step_overhead is not None:
-            return self.params.step_overhead
-        if self.fleet.step_overhead is not None:
-            return self.fleet.step_overhead
-        return DEFAULT_STEP_OVERHEAD
+    def _wait_context(self) -> fastpath.WaitContext:
+        """The guard's G (workers up), N (their requests, this round's admissions so far
+        included) and ``K = b / a`` in KV tokens: the parameters', else the fleet's (the
+        simulator knows its step-cost model), else the default."""
+        fleet, overhead = self.fleet, self.params.step_overhead
+        if overhead is None:
+            overhead = (fleet.step_overhead if fleet.step_overhead is not None
+                        else DEFAULT_STEP_OVERHEAD)
+        return fastpath.WaitContext(fleet.capacity, fleet.live_workers,
+                                    fleet.live_active + len(self.out), overhead)
 
     def _subset(self, worker: int, candidates: list[int]) -> SubsetChoice | None:
         if self.rows is not None:

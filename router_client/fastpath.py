@@ -259,17 +259,19 @@ class Stage2Result:
 def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: list[int],
                r_max: int, beta: float, order_by: str = "slots",
                fill_slots: bool = False, guard: str = "always",
-               capacity: int | None = None, active: int = 0,
-               overhead: float = 0.0) -> Stage2Result:
+               wait: WaitContext | None = None) -> Stage2Result:
     """The reference's Stage 2 at H = 0 on scalar state: workers by (most free slots, widest
     margin, index) (``order_by="slots"``) or by (widest margin, index) (``"margin"``), each
     the exact best subset of the first ``r_max`` waiting requests
     (:func:`router_client.subset.best_subset`, peak at the margin; ``fill_slots`` as there),
-    starvation guard alike (``guard="idle"``: where it applies this round, see
-    ``admission._Round._guard_waits``, a worker takes nothing where no candidate alone
-    scores F > 0; a worker with no request, all ``capacity`` slots free, never waits)."""
+    starvation guard alike (``guard="idle"``, which needs ``wait``: where it applies this
+    round, see ``admission._Round._guard_waits``, a worker whose best subset scores F <= 0
+    takes nothing where no candidate's overflow pays, :func:`overflow_pays`; a worker with no
+    request, all ``wait.capacity`` slots free, never waits)."""
     if guard not in ("always", "idle"):
         raise ValueError(f"guard must be 'always' or 'idle', not {guard!r}")
+    if guard == "idle" and wait is None:
+        raise ValueError("guard 'idle' needs its WaitContext")
     load = loads.astype(np.float64).tolist()
     envelope = max(load)
     slots = free.tolist()
@@ -294,9 +296,9 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
         if choice.score > 0:
             picked = [candidates[k] for k in choice.indices]
             forced = False
-        elif (guard == "always" or (capacity is not None and slots[worker] >= capacity)
-              or bool((now_scores(sizes[candidates], margin, len(load),
-                                  active + len(admitted), overhead) > 0).any())):
+        elif (guard == "always" or wait is None or slots[worker] >= wait.capacity
+              or bool(overflow_pays(sizes[candidates], margin, envelope, wait.workers,
+                                    wait.active + len(admitted), wait.overhead).any())):
             # starvation guard: the single best request, even at F <= 0
             picked = [candidates[int(np.argmax(score(sizes[candidates])))]]
             forced = True
@@ -311,18 +313,37 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
     return Stage2Result(admitted, waiting)
 
 
-def now_scores(sizes: np.ndarray, margin: float, workers: int, active: int,
-               overhead: float) -> np.ndarray:
-    """What the guard ``idle`` weighs (``admission._Round._wait``): BR-0's F at step 0,
-    ``s - G max(0, s - m)``, plus the admission's share of the step's fixed cost,
-    ``G overhead / N`` (``overhead = b / a`` in KV tokens, ``N`` active requests). From the
-    throughput of a step, ``N / (a M + b)``: one more request raises it though it overflows
-    the maximum ``M`` by ``o`` where ``N o < M + b / a``; with ``M`` about ``N s / G`` that is
-    ``s - G o + G (b / a) / N > 0``. Where a step's cost is mostly fixed (few requests, or a
-    large ``b``), a slot is worth an overflow; where ``b / a`` is 0 this is BR-0's F now."""
+@dataclass(frozen=True)
+class WaitContext:
+    """What the guard ``idle`` weighs besides the candidates: ``capacity`` (B: a worker with
+    all B slots free never waits), ``workers`` (G, the workers up), ``active`` (N, the
+    requests running on them, with the round's admissions before :func:`stage2_br0`) and
+    ``overhead`` (``K = b / a`` of the step time ``a M + b``, in KV tokens)."""
+
+    capacity: int
+    workers: int
+    active: int
+    overhead: float
+
+
+def overflow_pays(sizes: np.ndarray, margin: float, envelope: float, workers: int,
+                  active: int, overhead: float) -> np.ndarray:
+    """For each candidate of ``sizes``, whether admitting it to a worker with ``margin``
+    below the maximum ``envelope`` pays though it may overflow (the guard ``idle`` leaves the
+    worker's slots empty where it pays for none; ``admission._Round._wait``).
+
+    A step lasts ``a M + b`` for the maximum load ``M``, so ``N`` running requests make
+    ``N / (a M + b)`` tokens per second; one more request that overflows the maximum by
+    ``o = max(0, s - m)`` raises that exactly where ``N o < M + K`` (``K = b / a``): *this
+    step*, with the maximum as it is. Over the request's life the maximum it sets is shared
+    by a fleet whose load is spread over G workers, ``M`` about ``N s / G``, which gives BR-0's
+    F at step 0 plus the admission's share of the fixed cost, ``s - G o + G K / N > 0``. An
+    overflow pays where either holds: the first where a few long requests set the maximum
+    (small batches), the second where a step costs mostly its fixed part. With ``K`` 0 and
+    ``M`` small against ``N o`` this is BR-0's F now."""
     over = np.maximum(0.0, sizes - margin)
     share = workers * overhead / max(active, 1) if overhead > 0 else 0.0
-    return sizes - workers * over + share
+    return (sizes - workers * over + share > 0) | (active * over < envelope + overhead)
 
 
 def best_single(totals: list[int], margin: float, beta: float,

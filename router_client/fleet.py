@@ -57,6 +57,9 @@ class FleetView:
         step_overhead: ``b / a`` of the fleet's step time ``a max_g L_g + b``, in KV tokens,
             where known (the simulator's step-cost model); the guard ``idle`` weighs an
             overflow against it (``BalanceRouteParams.step_overhead`` overrides it).
+        down: for each worker, whether it is down and shown as full (the proxy's rank mask),
+            or ``None`` (all up); the guard ``idle`` counts neither such a worker nor its
+            requests.
     """
 
     capacity: int
@@ -70,10 +73,23 @@ class FleetView:
     active_mu_rem: np.ndarray | None = None
     arrival_rate: float | None = None
     step_overhead: float | None = None
+    down: np.ndarray | None = None
 
     @property
     def workers(self) -> int:
         return int(self.loads.shape[0])
+
+    @property
+    def live_workers(self) -> int:
+        """Workers that are not down."""
+        return self.workers - (0 if self.down is None else int(np.count_nonzero(self.down)))
+
+    @property
+    def live_active(self) -> int:
+        """Active requests on workers that are not down."""
+        if self.down is None:
+            return int(self.active_counts.sum())
+        return int(self.active_counts[~np.asarray(self.down, dtype=bool)].sum())
 
     @property
     def free_slots(self) -> np.ndarray:

@@ -129,7 +129,10 @@ class BalanceRoutePolicy:
     """BR-H (or BR-0 with ``params.horizon == 0``).
 
     Without predictions (``fleet.active_c_hat is None``) a BR-H policy routes the round as
-    BR-0 with the same stage settings: the fallback needs no predictor.
+    BR-0 with the same stage settings: the fallback needs no predictor. It is BR-0 as
+    configured, guard included (``as_br0``: the paper's ``always`` unless ``guard`` is set), so
+    that a fleet falling back runs the policy it would compare against; BR-H's own rounds
+    that look ahead with gamma 0 keep BR-H's guard (see the README).
     """
 
     def __init__(self, name: str, params: BalanceRouteParams) -> None:

@@ -9,7 +9,7 @@ comparison before switching. ``summary()`` gives the mean predicted imbalance pe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -82,5 +82,5 @@ class ShadowPolicy:
 def _without_predictions(fleet: FleetView) -> FleetView:
     if fleet.active_c_hat is None:
         return fleet
-    return FleetView(fleet.capacity, fleet.loads, fleet.active_counts, fleet.active_worker,
-                     fleet.active_size, None)
+    return replace(fleet, active_c_hat=None, pool_c_hat=None, active_p_fin=None,
+                   active_mu_rem=None)

@@ -457,14 +457,24 @@ def test_stage2_and_starvation_guard():
     assert all(a.starvation_guard for a in got)
 
 
+def many_small(per_worker_size, loads=(1000.0, 1000.0), capacity=11):
+    """G = 2 workers of B = ``capacity``, each holding requests of ``per_worker_size``
+    tokens up to its load (10 each at the defaults)."""
+    counts = [int(load // per_worker_size) for load in loads]
+    worker = np.repeat(np.arange(len(loads)), counts)
+    size = np.concatenate([np.full(c, load / c) for c, load in zip(counts, loads, strict=True)])
+    return FleetView.from_active(len(loads), capacity, worker, size)
+
+
 def test_guard_idle_leaves_the_slots_empty_where_no_request_lowers_the_imbalance():
-    # as above (margins 0: every request overflows by its whole size, F = s - 2 s < 0), but
-    # with more slots in the fleet (4) than s_greedy (2), so that Stage 1 admits once enough
-    # slots are free: "idle" leaves both free slots empty this round
-    fleet = FleetView(2, np.array([1000.0, 1000.0]), np.array([1, 1]), np.array([0, 1]),
-                      np.array([1000.0, 1000.0]))
+    # G = 2, B = 11, each worker 10 requests (1,000 tokens: N = 20, maximum M = 1,000,
+    # margins 0: every request overflows by its whole size, F = s - 2 s < 0); 2 free slots,
+    # not more than s_greedy 2 (Stage 1 does not run now), but 22 slots in the fleet, so
+    # Stage 1 admits once enough slots are free. No fixed step cost
+    # (step_overhead 0): the 100-token request would overflow by 100, and N o = 2,000 >= M:
+    # it lowers this step's throughput too. "idle" leaves the free slots empty this round.
+    fleet = many_small(100.0)
     pool = [WaitingRequest("a", 300), WaitingRequest("b", 100), WaitingRequest("c", 200)]
-    # (no fixed step cost here, step_overhead 0: the weighing is the imbalance alone)
     always, stats = route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=2))
     assert [a.pool_index for a in always] == [1, 2] and stats.starvation_guard_admissions == 2
     idle = BalanceRouteParams.br0(s_greedy=2, guard="idle", step_overhead=0.0)
@@ -472,42 +482,61 @@ def test_guard_idle_leaves_the_slots_empty_where_no_request_lowers_the_imbalance
         got, stats = route_round(fleet, pool, idle, reference=reference)
         assert got == [] and stats.starvation_guard_admissions == 0
     # a request that fits under a margin is still admitted: worker 0 at 900 (margin 100)
-    lower = replace(fleet, loads=np.array([900.0, 1000.0]), active_size=np.array([900.0,
-                                                                                    1000.0]))
+    lower = many_small(90.0, loads=(900.0, 1000.0))
     got, _ = route_round(lower, pool, idle)
     assert [(a.pool_index, a.worker, a.starvation_guard) for a in got] == [(1, 0, False)]
-    # where Stage 1 could never run (4 slots <= s_greedy 7) or G = 1, "idle" is "always"
-    assert route_round(fleet, pool, replace(idle, s_greedy=7))[0] == \
-        route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=7))[0]
-    single = FleetView(2, np.array([1000.0]), np.array([1]), np.array([0]), np.array([1000.0]))
+    # where Stage 1 could never run (22 slots <= s_greedy 22) or G = 1, "idle" is "always"
+    assert route_round(fleet, pool, replace(idle, s_greedy=22))[0] == \
+        route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=22))[0]
+    single = many_small(100.0, loads=(1000.0,))
     got, stats = route_round(single, pool, replace(idle, s_greedy=1))
     assert len(got) == 1 and stats.starvation_guard_admissions == 1
 
 
 @pytest.mark.parametrize("reference", [True, False])
-def test_guard_idle_weighs_an_overflow_against_the_steps_fixed_cost(reference):
-    # The fleet above (G = 2, one request each at 1,000 tokens, margins 0; pool 300, 100,
-    # 200). Worker 0 chooses first (by index) and sees N = 2 active requests: the 100-token
-    # request scores F now = 100 - 2 * 100 = -100, plus its share of the step's fixed cost
-    # b / a, 2 (b / a) / 2. With b / a = 90 tokens: -10, nothing is admitted (nor on worker
-    # 1, alike). With 110: +10, admitted (the guard's pick); worker 0 at 1,100 then leaves
-    # worker 1 a margin of 100 and N = 3: the 200-token request scores 200 - 2 * 100 +
-    # 2 * 110 / 3 > 0, admitted too.
-    fleet = FleetView(2, np.array([1000.0, 1000.0]), np.array([1, 1]), np.array([0, 1]),
-                      np.array([1000.0, 1000.0]))
+def test_guard_idle_admits_where_the_overflow_raises_this_steps_throughput(reference):
+    # G = 2, B = 2, one 1,000-token request on each worker (N = 2, M = 1,000, margins 0; 2 free
+    # slots, 4 in the fleet) and no fixed step cost. BR-0's F now says no (100 - 2 * 100 < 0),
+    # but a step makes N / (a M) tokens a second: admitting the 100-token request gives 3 /
+    # (1,100 a) > 2 / (1,000 a) (N o = 200 < M). "idle" admits it, as "always" does; worker 1
+    # (margin 100 now, N = 3) likewise takes the 200-token request (N o = 300 < 1,100).
+    fleet = FleetView.from_active(2, 2, np.array([0, 1]), np.array([1000.0, 1000.0]))
     pool = [WaitingRequest("a", 300), WaitingRequest("b", 100), WaitingRequest("c", 200)]
-    params = BalanceRouteParams.br0(s_greedy=2, guard="idle", step_overhead=90.0)
+    idle = BalanceRouteParams.br0(s_greedy=2, guard="idle", step_overhead=0.0)
+    got, stats = route_round(fleet, pool, idle, reference=reference)
+    assert [(a.pool_index, a.worker, a.starvation_guard) for a in got] == [(1, 0, True),
+                                                                           (2, 1, True)]
+    assert got == route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=2),
+                              reference=reference)[0]
+    # with 10 requests of 100 tokens on each worker instead, the same overflow costs this
+    # step more than it adds (N o = 2,000 >= M): the previous test's wait
+    assert route_round(many_small(100.0), pool, idle,
+                       reference=reference)[0] == []
+
+
+@pytest.mark.parametrize("reference", [True, False])
+def test_guard_idle_weighs_an_overflow_against_the_steps_fixed_cost(reference):
+    # G = 2, B = 11, each worker 10 requests of 50 tokens (N = 20, M = 500). Worker 0 chooses
+    # first (by index): the 100-token request scores F now = 100 - 2 * 100 = -100, plus its
+    # share of the step's fixed cost K = b / a, 2 K / 20; this step alone it pays where N o =
+    # 2,000 < M + K = 500 + K. With K = 900 tokens neither holds: nothing is admitted (nor on
+    # worker 1, alike). With 1,100 the share does (+10): admitted (the guard's pick); worker 0
+    # at 600 then leaves worker 1 a margin of 100 and N = 21: the 200-token request scores 200 -
+    # 2 * 100 + 2 * 1,100 / 21 > 0, admitted too.
+    fleet = many_small(50.0, loads=(500.0, 500.0))
+    pool = [WaitingRequest("a", 300), WaitingRequest("b", 100), WaitingRequest("c", 200)]
+    params = BalanceRouteParams.br0(s_greedy=2, guard="idle", step_overhead=900.0)
     assert route_round(fleet, pool, params, reference=reference)[0] == []
-    params = replace(params, step_overhead=110.0)
+    params = replace(params, step_overhead=1100.0)
     got, stats = route_round(fleet, pool, params, reference=reference)
     assert [(a.pool_index, a.worker, a.starvation_guard) for a in got] == [(1, 0, True),
                                                                            (2, 1, True)]
     # a fleet view that knows its fixed cost (the simulator's) is read where the parameters
     # leave it unset; the parameters' value wins
     unset = replace(params, step_overhead=None)
-    assert route_round(replace(fleet, step_overhead=110.0), pool, unset,
+    assert route_round(replace(fleet, step_overhead=1100.0), pool, unset,
                        reference=reference)[0] == got
-    assert route_round(replace(fleet, step_overhead=110.0), pool,
+    assert route_round(replace(fleet, step_overhead=1100.0), pool,
                        replace(params, step_overhead=0.0), reference=reference)[0] == []
     # the default (the simulator's default step cost, 66,667 tokens) admits where so few
     # requests share a step: the guard "always"'s choice
@@ -562,6 +591,20 @@ def test_guard_idle_never_holds_back_a_worker_with_no_request():
                                 [True, False])
         assert [(a.pool_index, a.worker) for a in masked.route(view, pool).assignments] == \
             [(0, 0)]
+    # with rank 1 down, rank 0 (three 400-token requests, one free slot) is the fleet: there
+    # is no imbalance to protect, so the guard admits as "always" though every request
+    # overflows by 2,000 (N o = 6,000 >= M): the down rank, shown full, counts neither in G
+    # nor in N
+    one = FleetView.from_active(2, 4, np.zeros(3, dtype=int), np.full(3, 400.0),
+                                np.full(3, 500.0))
+    pool = [WaitingRequest(i, 2000) for i in range(5)]
+    view = replace(one, pool_c_hat=np.full(len(pool), 40.0))
+    for params in (BalanceRouteParams(step_overhead=0.0),
+                   BalanceRouteParams.br0(guard="idle", step_overhead=0.0)):
+        masked = RankMaskPolicy(make_policy("brh" if params.horizon else "br0", params=params),
+                                [True, False])
+        got = masked.route(view, pool).assignments
+        assert [a.worker for a in got] == [0] and got[0].starvation_guard
 
 
 def test_the_guard_defaults_to_idle_for_brh_and_always_for_br0():

@@ -46,17 +46,25 @@ def fleet_and_pool(seed, workers, capacity, pool_size, size_range, free_share=No
        stage1=st.sampled_from(STAGE1_RULES), s_greedy=st.integers(0, 8),
        candidates=st.sampled_from([1, 3, 1024]), r_max=st.integers(1, 6),
        count_weight=st.sampled_from([0.0, 1.0, 7.0, 0.3]), order=st.sampled_from(STAGE2_ORDERS),
-       fill=st.booleans(), guard=st.sampled_from(GUARD_RULES))
+       fill=st.booleans(), guard=st.sampled_from(GUARD_RULES),
+       overhead=st.sampled_from([None, 0.0, 10.0, 500.0, float("inf")]),
+       down=st.booleans())
 def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_size,
                                                  size_range, stage1, s_greedy, candidates,
-                                                 r_max, count_weight, order, fill, guard):
+                                                 r_max, count_weight, order, fill, guard,
+                                                 overhead, down):
     # small size ranges force ties in F, in load and in size (and, with a count weight, in
-    # load + weight * active requests)
+    # load + weight * active requests); the guard idle's fixed cost from 0 (it waits most)
+    # to inf (never), and worker 0 down as the proxy shows it (full, marked down)
     fleet, pool = fleet_and_pool(seed, workers, capacity, pool_size, size_range)
+    if down:
+        mask = np.arange(workers) == 0
+        fleet = replace(fleet, active_counts=np.where(mask, capacity, fleet.active_counts),
+                        down=mask)
     params = BalanceRouteParams.br0(stage1=stage1, s_greedy=s_greedy,
                                     stage1_candidates=candidates, r_max=r_max,
                                     lpt_count_weight=count_weight, stage2_order=order,
-                                    stage2_fill=fill, guard=guard)
+                                    stage2_fill=fill, guard=guard, step_overhead=overhead)
     want, want_stats = route_round(fleet, pool, params, reference=True)
     got, got_stats = route_round(fleet, pool, params, reference=False)
     assert got == want
@@ -69,12 +77,15 @@ def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_s
                           ("auto-pair", "slots", False, "always"),
                           ("auto", "margin", False, "always"), ("auto", "slots", True, "always"),
                           ("auto", "margin", True, "always"), ("auto", "slots", False, "idle"),
-                          ("auto", "margin", True, "idle")])
+                          ("auto", "margin", True, "idle"), ("auto", "slots", False, "idle0")])
 @pytest.mark.parametrize(("load", "workers"), [("backlog", 4), (0.8, 8), (1.0, 3)])
 def test_ab_rows_unchanged_by_the_fast_path(monkeypatch, load, workers, stage1, order, fill,
                                             guard):
+    # "idle0": the guard idle on a step without fixed cost (b = 0), where it waits most
     trace = synthesize("synth:long:n=600,seed=3")
-    config = SimConfig(workers=workers, batch=8, load=load, seed=1)
+    step_cost = (1.5e-7, 0.0) if guard == "idle0" else (1.5e-7, 0.010)
+    guard = "idle" if guard == "idle0" else guard
+    config = SimConfig(workers=workers, batch=8, load=load, seed=1, step_cost=step_cost)
     params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order, stage2_fill=fill,
                                     guard=guard)
     fast = simulate(trace, make_policy("br0", params=params), config).row
@@ -101,15 +112,16 @@ def test_fast_stage1_breaks_ties_between_the_two_sides_like_the_reference(stage1
 @given(seed=st.integers(0, 2**32 - 1), free_share=st.sampled_from([0.002, 0.01, 0.03]),
        pool_size=st.sampled_from([300, 4096]), size_range=st.sampled_from([4, 50, 6000]),
        stage1=st.sampled_from(STAGE1_RULES), order=st.sampled_from(STAGE2_ORDERS),
-       fill=st.booleans(), guard=st.sampled_from(GUARD_RULES))
+       fill=st.booleans(), guard=st.sampled_from(GUARD_RULES),
+       overhead=st.sampled_from([None, 0.0]))
 def test_fast_path_same_decisions_at_g256(seed, free_share, pool_size, size_range, stage1,
-                                          order, fill, guard):
+                                          order, fill, guard, overhead):
     # the bench's scale: G = 256, B = 64, pool 4096 (a round reads only its head), or a pool
     # shorter than the free slots (about 330 or 490 at the larger shares: auto is lpt);
     # small size ranges force ties in F, load and size
     fleet, pool = fleet_and_pool(seed, 256, 64, pool_size, size_range, free_share)
     params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order, stage2_fill=fill,
-                                    guard=guard)
+                                    guard=guard, step_overhead=overhead)
     want, want_stats = route_round(fleet, pool, params, reference=True)
     got, got_stats = route_round(fleet, pool, params, reference=False)
     assert got == want

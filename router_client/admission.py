@@ -770,16 +770,14 @@ class _Round:
     def _wait(self, worker: int, candidates: list[int]) -> bool:
         """The guard ``idle``: whether ``worker`` (whose best subset scores F <= 0) takes
         nothing this round, i.e. no candidate's overflow pays
-        (:func:`router_client.fastpath.overflow_pays`: neither this step's throughput nor,
-        with the maximum spread over the fleet, BR-0's F now plus the admission's share of
-        the step's fixed cost rises; where BR-H's lookahead alone objects it admits its best
-        request as the guard ``always`` does)."""
+        (:func:`router_client.fastpath.overflow_pays`: BR-0's F now plus the admission's
+        share of the step's fixed cost is not positive for any; where BR-H's lookahead alone
+        objects it admits its best request as the guard ``always`` does)."""
         if not self._guard_waits() or self.free[worker] >= self.fleet.capacity:
             return False  # an empty worker never waits: nothing else would fill it
         context = self._wait_context()
         pays = fastpath.overflow_pays(self.sizes[candidates], self.table.current_margin(worker),
-                                      float(self.table.envelope[0]), context.workers,
-                                      context.active, context.overhead)
+                                      context.workers, context.active, context.overhead)
         return not bool(pays.any())
 
     def _wait_context(self) -> fastpath.WaitContext:

@@ -297,7 +297,7 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
             picked = [candidates[k] for k in choice.indices]
             forced = False
         elif (guard == "always" or wait is None or slots[worker] >= wait.capacity
-              or bool(overflow_pays(sizes[candidates], margin, envelope, wait.workers,
+              or bool(overflow_pays(sizes[candidates], margin, wait.workers,
                                     wait.active + len(admitted), wait.overhead).any())):
             # starvation guard: the single best request, even at F <= 0
             picked = [candidates[int(np.argmax(score(sizes[candidates])))]]
@@ -326,24 +326,24 @@ class WaitContext:
     overhead: float
 
 
-def overflow_pays(sizes: np.ndarray, margin: float, envelope: float, workers: int,
-                  active: int, overhead: float) -> np.ndarray:
-    """For each candidate of ``sizes``, whether admitting it to a worker with ``margin``
-    below the maximum ``envelope`` pays though it may overflow (the guard ``idle`` leaves the
-    worker's slots empty where it pays for none; ``admission._Round._wait``).
+def overflow_pays(sizes: np.ndarray, margin: float, workers: int, active: int,
+                  overhead: float) -> np.ndarray:
+    """For each candidate of ``sizes``, whether admitting it to a worker with ``margin`` pays
+    though it may overflow (the guard ``idle`` leaves the worker's slots empty where it pays
+    for none; ``admission._Round._wait``): BR-0's F at step 0, ``s - G max(0, s - m)``, plus
+    the admission's share of the step's fixed cost, ``G overhead / N`` (``overhead = b / a``
+    in KV tokens, ``N`` active requests), is positive.
 
-    A step lasts ``a M + b`` for the maximum load ``M``, so ``N`` running requests make
-    ``N / (a M + b)`` tokens per second; one more request that overflows the maximum by
-    ``o = max(0, s - m)`` raises that exactly where ``N o < M + K`` (``K = b / a``): *this
-    step*, with the maximum as it is. Over the request's life the maximum it sets is shared
-    by a fleet whose load is spread over G workers, ``M`` about ``N s / G``, which gives BR-0's
-    F at step 0 plus the admission's share of the fixed cost, ``s - G o + G K / N > 0``. An
-    overflow pays where either holds: the first where a few long requests set the maximum
-    (small batches), the second where a step costs mostly its fixed part. With ``K`` 0 and
-    ``M`` small against ``N o`` this is BR-0's F now."""
+    From the throughput of a step, ``N / (a M + b)``: one more request raises it though it
+    overflows the maximum ``M`` by ``o`` where ``N o < M + b / a``; with ``M`` about
+    ``N s / G`` that is ``s - G o + G (b / a) / N > 0``. Where a step's cost is mostly fixed
+    (few requests, or a large ``b``), a slot is worth an overflow; where ``b / a`` is 0 this
+    is BR-0's F now. (The same inequality with the actual ``M``, this step's exact answer,
+    was measured and not kept: it admits small requests' overflows that last their whole
+    life; see the README.)"""
     over = np.maximum(0.0, sizes - margin)
     share = workers * overhead / max(active, 1) if overhead > 0 else 0.0
-    return (sizes - workers * over + share > 0) | (active * over < envelope + overhead)
+    return sizes - workers * over + share > 0
 
 
 def best_single(totals: list[int], margin: float, beta: float,

@@ -494,35 +494,36 @@ def test_guard_idle_leaves_the_slots_empty_where_no_request_lowers_the_imbalance
 
 
 @pytest.mark.parametrize("reference", [True, False])
-def test_guard_idle_admits_where_the_overflow_raises_this_steps_throughput(reference):
-    # G = 2, B = 2, one 1,000-token request on each worker (N = 2, M = 1,000, margins 0; 2 free
-    # slots, 4 in the fleet) and no fixed step cost. BR-0's F now says no (100 - 2 * 100 < 0),
-    # but a step makes N / (a M) tokens a second: admitting the 100-token request gives 3 /
-    # (1,100 a) > 2 / (1,000 a) (N o = 200 < M). "idle" admits it, as "always" does; worker 1
-    # (margin 100 now, N = 3) likewise takes the 200-token request (N o = 300 < 1,100).
+def test_guard_idle_lets_a_few_requests_share_the_fixed_cost(reference):
+    # G = 2, B = 2, one 1,000-token request on each worker (N = 2, margins 0; 2 free slots, 4
+    # in the fleet). BR-0's F now says no (100 - 2 * 100 = -100): without a fixed step cost
+    # (K = 0) "idle" waits, though this step's throughput would rise (3 / (1,100 a) > 2 /
+    # (1,000 a): the rule's known limit, the README's "How the rule got here"). The share 2 K
+    # / 2 turns it at K = 100: with K = 101 worker 0 admits the 100-token request, worker 1
+    # (margin 100, N = 3) the 200-token one (200 - 2 * 100 + 2 * 101 / 3 > 0); the default K
+    # (66,667 tokens) admits as "always" does.
     fleet = FleetView.from_active(2, 2, np.array([0, 1]), np.array([1000.0, 1000.0]))
     pool = [WaitingRequest("a", 300), WaitingRequest("b", 100), WaitingRequest("c", 200)]
     idle = BalanceRouteParams.br0(s_greedy=2, guard="idle", step_overhead=0.0)
-    got, stats = route_round(fleet, pool, idle, reference=reference)
+    assert route_round(fleet, pool, idle, reference=reference)[0] == []
+    assert route_round(fleet, pool, replace(idle, step_overhead=99.0),
+                       reference=reference)[0] == []
+    got, _ = route_round(fleet, pool, replace(idle, step_overhead=101.0), reference=reference)
     assert [(a.pool_index, a.worker, a.starvation_guard) for a in got] == [(1, 0, True),
                                                                            (2, 1, True)]
-    assert got == route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=2),
-                              reference=reference)[0]
-    # with 10 requests of 100 tokens on each worker instead, the same overflow costs this
-    # step more than it adds (N o = 2,000 >= M): the previous test's wait
-    assert route_round(many_small(100.0), pool, idle,
-                       reference=reference)[0] == []
+    assert route_round(fleet, pool, replace(idle, step_overhead=None),
+                       reference=reference)[0] == \
+        route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=2), reference=reference)[0]
 
 
 @pytest.mark.parametrize("reference", [True, False])
 def test_guard_idle_weighs_an_overflow_against_the_steps_fixed_cost(reference):
     # G = 2, B = 11, each worker 10 requests of 50 tokens (N = 20, M = 500). Worker 0 chooses
     # first (by index): the 100-token request scores F now = 100 - 2 * 100 = -100, plus its
-    # share of the step's fixed cost K = b / a, 2 K / 20; this step alone it pays where N o =
-    # 2,000 < M + K = 500 + K. With K = 900 tokens neither holds: nothing is admitted (nor on
-    # worker 1, alike). With 1,100 the share does (+10): admitted (the guard's pick); worker 0
-    # at 600 then leaves worker 1 a margin of 100 and N = 21: the 200-token request scores 200 -
-    # 2 * 100 + 2 * 1,100 / 21 > 0, admitted too.
+    # share of the step's fixed cost K = b / a, 2 K / 20. With K = 900 tokens: -10, nothing is
+    # admitted (nor on worker 1, alike). With 1,100: +10, admitted (the guard's pick); worker
+    # 0 at 600 then leaves worker 1 a margin of 100 and N = 21: the 200-token request scores
+    # 200 - 2 * 100 + 2 * 1,100 / 21 > 0, admitted too.
     fleet = many_small(50.0, loads=(500.0, 500.0))
     pool = [WaitingRequest("a", 300), WaitingRequest("b", 100), WaitingRequest("c", 200)]
     params = BalanceRouteParams.br0(s_greedy=2, guard="idle", step_overhead=900.0)

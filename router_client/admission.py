@@ -32,7 +32,7 @@ the highest F among them), the F-best subset only where none fits.
 Starvation guard: if the best F is not positive, the single best request is admitted anyway
 (``guard="always"``, the paper's, BR-0's default); under ``guard="idle"`` (BR-H's default) the
 worker waits for a later round where no request would lower the imbalance now even counting
-its share of the step's fixed cost (:func:`router_client.fastpath.now_scores`); a worker with
+its share of the step's fixed cost (:func:`router_client.fastpath.overflow_pays`); a worker with
 no request never waits.
 
 BR-H scores a candidate by the work it really adds (``candidate_life``, default): ``s + h`` at
@@ -58,7 +58,7 @@ import numpy as np
 
 from . import fastpath
 from .errors import ContractError, ParameterError
-from .fleet import Assignment, FleetView, WaitingRequest
+from .fleet import DEFAULT_STEP_COST, Assignment, FleetView, WaitingRequest
 from .fscore import MarginTable, candidate_rows, discounts
 from .projection import END_POINTS, end_law, end_window, mixture_moments, projected_loads
 from .subset import SubsetChoice, best_subset
@@ -72,9 +72,9 @@ STAGE2_ORDERS: tuple[str, ...] = get_args(Stage2Order)
 GuardRule = Literal["always", "idle"]
 GUARD_RULES: tuple[str, ...] = get_args(GuardRule)
 # The decode step's fixed cost in KV tokens, b / a of T = a max L + b, where neither the
-# parameters nor the fleet view give it: the simulator's default step cost (0.010 s over
-# 1.5e-7 s per token; router_client.simulator.DEFAULT_STEP_COST).
-DEFAULT_STEP_OVERHEAD = 0.010 / 1.5e-7
+# parameters nor the fleet view give it: the simulator's default step cost's (0.010 s over
+# 1.5e-7 s per token, 66,667 tokens).
+DEFAULT_STEP_OVERHEAD = DEFAULT_STEP_COST[1] / DEFAULT_STEP_COST[0]
 AUTO_SHORT_POOL: Literal["lpt", "best-pair"] = "lpt"  # BR-0's short-pool rule in auto (README)
 # BR-H's Stage-1 rule on a short pool under auto, by its ``short_pool`` setting
 _SHORT_POOL_STAGE1: dict[str, Literal["best-pair", "lpt", "lpt-f", "lpt-fit"]] = {
@@ -176,7 +176,7 @@ class BalanceRouteParams:
             imbalance now (BR-0's F at step 0 not positive for any; so BR-H, whose lookahead
             may object where BR-0 would not, then admits its best request as under
             ``always``). The "now" score adds the admission's share of the step's fixed
-            cost, ``G step_overhead / N`` (:func:`router_client.fastpath.now_scores`): where
+            cost, ``G step_overhead / N`` (:func:`router_client.fastpath.overflow_pays`): where
             a step costs mostly its fixed part (small batches), a filled slot is worth an
             overflow and the worker does not wait. A worker with no request never waits
             (liveness: otherwise a saturated fleet whose pool holds only requests that

@@ -10,6 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Default step-time model: about 0.15 us per KV token and 10 ms fixed per step. With the
+# paper's deployment (G = 8, B = 64, contexts of 4-5k tokens) the most loaded worker reads
+# about 300k KV tokens, which gives 45 ms + 10 ms: close to the ~60 ms decode step the paper
+# reports, and bandwidth-dominated as it observed at typical load.
+DEFAULT_STEP_COST = (1.5e-7, 0.010)
+
 
 @dataclass(frozen=True, slots=True)
 class WaitingRequest:

@@ -34,17 +34,12 @@ import numpy as np
 
 from .errors import ContractError, ParameterError
 from .fallback import FallbackController, Switch
-from .fleet import ArrivalRate, Assignment, FleetView, WaitingRequest
+from .fleet import DEFAULT_STEP_COST, ArrivalRate, Assignment, FleetView, WaitingRequest
 from .policies import Policy
 from .prediction import PredictionCache
 from .predictors import ActiveBatch, FinishedBatch, Predictor
 from .traces import Trace
 
-# Default step-time model: about 0.15 us per KV token and 10 ms fixed per step. With the
-# paper's deployment (G = 8, B = 64, contexts of 4-5k tokens) the most loaded worker reads
-# about 300k KV tokens, which gives 45 ms + 10 ms: close to the ~60 ms decode step the paper
-# reports, and bandwidth-dominated as it observed at typical load.
-DEFAULT_STEP_COST = (1.5e-7, 0.010)
 BACKLOG_DEPTH_PER_WORKER = 4
 
 def parse_step_cost(text: str) -> tuple[float, float]:

@@ -498,7 +498,7 @@ def test_guard_idle_lets_a_few_requests_share_the_fixed_cost(reference):
     # G = 2, B = 2, one 1,000-token request on each worker (N = 2, margins 0; 2 free slots, 4
     # in the fleet). BR-0's F now says no (100 - 2 * 100 = -100): without a fixed step cost
     # (K = 0) "idle" waits, though this step's throughput would rise (3 / (1,100 a) > 2 /
-    # (1,000 a): the rule's known limit, the README's "How the rule got here"). The share 2 K
+    # (1,000 a): the README's "The rule's known limit"). The share 2 K
     # / 2 turns it at K = 100: with K = 101 worker 0 admits the 100-token request, worker 1
     # (margin 100, N = 3) the 200-token one (200 - 2 * 100 + 2 * 101 / 3 > 0); the default K
     # (66,667 tokens) admits as "always" does.

@@ -95,7 +95,8 @@ def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
                                   short_pool=request["short_pool"],
                                   stage2_order=request["stage2_order"],
                                   stage2_fill=request["stage2_fill"],
-                                  guard=request.get("guard")))
+                                  guard=request.get("guard"),
+                                  patience=request.get("patience")))
     return comparison.rows
 
 

@@ -178,6 +178,11 @@ def _add_ab(sub) -> None:
                     "idle (leave its slots empty this round where no request would lower the "
                     "imbalance now; Stage 1 admits once more than --s-greedy slots are free); "
                     "default: idle for BR-H, always for BR-0")
+    ab.add_argument("--patience", type=int, default=BalanceRouteParams.patience,
+                    metavar="ROUNDS",
+                    help="with the guard idle, a worker that has left its free slots empty "
+                    "this many rounds in a row takes its best request in the next (0: never "
+                    "waits; default: no bound; measured, see the README)")
     ab.add_argument("--out", type=Path, default=None, help="directory for CSV and PNG plots")
     ab.add_argument("--json", type=Path, default=None, help="write the result rows here")
     ab.add_argument("--predictor-url", default=None,
@@ -354,7 +359,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   short_pool=args.short_pool,
                                   stage2_order=args.stage2_order,
                                   stage2_fill=args.stage2_fill,
-                                  fit_horizon=args.fit_horizon, guard=args.guard),
+                                  fit_horizon=args.fit_horizon, guard=args.guard,
+                                  patience=args.patience),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

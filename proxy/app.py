@@ -89,6 +89,7 @@ class ProxyConfig:
     step_s: float | None = None  # the fleet's decode step: one routing round per step at most
     guard: GuardRule | None = None  # BR's starvation guard (None: idle for brh, always for br0)
     step_overhead: float | None = None  # b / a of the ranks' step time, KV tokens
+    patience: int | None = None  # rounds in a row the guard idle may hold one rank back
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -101,6 +102,8 @@ class ProxyConfig:
             raise ValueError(f"--guard must be one of {', '.join(GUARD_RULES)}")
         if self.step_overhead is not None and not self.step_overhead >= 0:
             raise ValueError("--step-overhead must be >= 0 KV tokens")
+        if self.patience is not None and self.patience < 0:
+            raise ValueError("--patience must be >= 0 rounds")
 
 
 class ProxyError(Exception):
@@ -171,7 +174,8 @@ class Proxy:
         capacity = config.batch * (2 if config.bypass else 1)
         params = (BalanceRouteParams(horizon=config.horizon) if config.policy == "brh"
                   else BalanceRouteParams.br0())
-        params = replace(params, guard=config.guard, step_overhead=config.step_overhead)
+        params = replace(params, guard=config.guard, step_overhead=config.step_overhead,
+                         patience=config.patience)
         self.predictor: BackgroundPredictor | None = None
         predictor: Predictor | None = None
         if config.policy == "brh" and config.predictor_url:

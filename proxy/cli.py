@@ -44,6 +44,16 @@ def _overhead(text: str) -> float:
     return value
 
 
+def _rounds(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of rounds: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0 rounds")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -92,6 +102,10 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
                        help="the ranks' fixed step cost B/A of step time A*max_load+B, in KV "
                        "tokens, that the guard idle weighs (default 66667: 0.010 s at "
                        "1.5e-7 s per token)")
+    proxy.add_argument("--patience", type=_rounds, default=None, metavar="ROUNDS",
+                       help="with the guard idle, a rank that has left its free slots empty "
+                       "this many routing rounds in a row takes its best request in the next "
+                       "(0: never waits; default: no bound)")
     proxy.add_argument("--prefill-kv-budget", type=int, default=2_000_000,
                        help="KV tokens one prefill instance may hold for pending hand-offs")
     proxy.set_defaults(handler=cmd_proxy)
@@ -185,7 +199,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                          connect_timeout_s=args.connect_timeout,
                          step_s=args.step_ms / 1000 if args.step_ms else None,
                          prefill_kv_budget=args.prefill_kv_budget, guard=args.guard,
-                         step_overhead=args.step_overhead)
+                         step_overhead=args.step_overhead, patience=args.patience)
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="warning",
                 access_log=False, timeout_keep_alive=30, backlog=4096)
     return 0

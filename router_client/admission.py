@@ -75,6 +75,9 @@ GUARD_RULES: tuple[str, ...] = get_args(GuardRule)
 # parameters nor the fleet view give it: the simulator's default step cost's (0.010 s over
 # 1.5e-7 s per token, 66,667 tokens).
 DEFAULT_STEP_OVERHEAD = DEFAULT_STEP_COST[1] / DEFAULT_STEP_COST[0]
+# How many rounds in a row the guard idle may leave one worker's free slots empty (None: no
+# bound); see ``BalanceRouteParams.patience``.
+DEFAULT_PATIENCE: int | None = None
 AUTO_SHORT_POOL: Literal["lpt", "best-pair"] = "lpt"  # BR-0's short-pool rule in auto (README)
 # BR-H's Stage-1 rule on a short pool under auto, by its ``short_pool`` setting
 _SHORT_POOL_STAGE1: dict[str, Literal["best-pair", "lpt", "lpt-f", "lpt-fit"]] = {
@@ -196,6 +199,11 @@ class BalanceRouteParams:
             (default): the fleet view's (the simulator passes its step cost's), else
             :data:`DEFAULT_STEP_OVERHEAD` (the simulator's default step cost, 66,667
             tokens). 0 waits wherever BR-0's F now is not positive.
+        patience: under the guard ``idle``, a worker that has left its free slots empty in
+            this many rounds in a row takes its best request in the next one, as under
+            ``always`` (a bound on how long one worker waits, whatever ``step_overhead``
+            says; the count is the policy's, :class:`router_client.policies.BalanceRoutePolicy`,
+            passed to :func:`route_round` as ``waited``). ``None``: no bound; 0: never waits.
     """
 
     horizon: int = 80
@@ -220,6 +228,7 @@ class BalanceRouteParams:
     fit_horizon: float | None = None
     guard: GuardRule | None = None
     step_overhead: float | None = None
+    patience: int | None = DEFAULT_PATIENCE
 
     def __post_init__(self) -> None:
         if self.horizon < 0:
@@ -256,6 +265,11 @@ class BalanceRouteParams:
             raise ParameterError("step_overhead", "must be >= 0 KV tokens (or None)")
         if not self.lpt_count_weight >= 0:
             raise ParameterError("lpt_count_weight", "must be >= 0")
+        if self.patience is not None and (isinstance(self.patience, bool)
+                                          or not isinstance(self.patience, int)
+                                          or self.patience < 0):
+            raise ParameterError("patience", "must be a whole number of rounds >= 0 (or None: "
+                                             "no bound)")
 
     @classmethod
     def br0(cls, **overrides: object) -> BalanceRouteParams:
@@ -332,6 +346,7 @@ class BalanceRouteParams:
             stage2_fill=self.stage2_fill,
             guard=self.guard,
             step_overhead=self.step_overhead,
+            patience=self.patience,
         )
 
 
@@ -344,6 +359,7 @@ class RoundStats:
     starvation_guard_admissions: int = 0
     used_prediction: bool = False
     extra: dict[str, float] = field(default_factory=dict)
+    waited: list[int] = field(default_factory=list)  # workers the guard idle held back
 
 
 def build_table(fleet: FleetView, params: BalanceRouteParams,
@@ -487,9 +503,13 @@ def _uniform_ends(t: np.ndarray, p: np.ndarray, low: np.ndarray, width: np.ndarr
 
 def route_round(
     fleet: FleetView, pool: list[WaitingRequest], params: BalanceRouteParams,
-    reference: bool | None = None,
+    reference: bool | None = None, waited: np.ndarray | None = None,
 ) -> tuple[list[Assignment], RoundStats]:
     """One scheduling round of BR-H (or BR-0 when ``params.horizon == 0``).
+
+    ``waited``: for each worker, the rounds in a row the guard ``idle`` has held it back
+    (the caller's count, see ``BalanceRouteParams.patience``; None: none has waited); the
+    workers it holds back in this round are ``stats.waited``.
 
     ``reference=True`` runs the pure-Python/numpy reference throughout; the default
     (:data:`FAST_PATH`) reads only the head of the pool that the round can reach
@@ -515,7 +535,7 @@ def route_round(
                 params = _as_br0(params)
     fast = FAST_PATH if reference is None else not reference
     head = reachable_head(len(pool), params, fleet.workers, total_free) if fast else len(pool)
-    state = _Round(fleet, pool, params, free, stats, head, fast, gamma)
+    state = _Round(fleet, pool, params, free, stats, head, fast, gamma, waited)
     if not (fast and state.fast_stage1()):
         state.stage1()
     stage2_started = perf_counter()
@@ -551,8 +571,13 @@ class _Round:
 
     def __init__(self, fleet: FleetView, pool: list[WaitingRequest],
                  params: BalanceRouteParams, free: np.ndarray, stats: RoundStats,
-                 head: int, fast: bool = False, gamma: float | None = None) -> None:
+                 head: int, fast: bool = False, gamma: float | None = None,
+                 waited: np.ndarray | None = None) -> None:
         self.fleet, self.params, self.free, self.stats = fleet, params, free, stats
+        patience = params.patience
+        self.impatient: frozenset[int] = frozenset(
+            () if patience is None or waited is None
+            else np.flatnonzero(np.asarray(waited) >= patience).tolist())
         self.fast = fast  # BR-H's enumerated subsets vectorized (fastpath.best_row_subset)
         self.total_free = int(free.sum())
         self.sizes = np.fromiter(map(_PROMPT_TOKENS, islice(pool, head)), dtype=np.float64,
@@ -642,6 +667,7 @@ class _Round:
                                    self.params.stage2_fill,
                                    "idle" if self._guard_waits() else "always",
                                    self._wait_context())
+        self.stats.waited.extend(done.waited)
         for index, worker, guard in done.admitted:
             self.out.append(Assignment(index, worker, guard))
             self.stats.stage2_admissions += 1
@@ -747,6 +773,7 @@ class _Round:
                     self.admit(worker, index)
                 self.stats.stage2_admissions += len(picked)
             elif self._wait(worker, candidates):
+                self.stats.waited.append(worker)
                 continue  # the slots stay empty this round (guard "idle")
             else:  # starvation guard: the single best request, even at F <= 0
                 index = candidates[int(np.argmax(self.score(worker, candidates)))]
@@ -773,7 +800,8 @@ class _Round:
         (:func:`router_client.fastpath.overflow_pays`: BR-0's F now plus the admission's
         share of the step's fixed cost is not positive for any; where BR-H's lookahead alone
         objects it admits its best request as the guard ``always`` does)."""
-        if not self._guard_waits() or self.free[worker] >= self.fleet.capacity:
+        if (not self._guard_waits() or self.free[worker] >= self.fleet.capacity
+                or worker in self.impatient):
             return False  # an empty worker never waits: nothing else would fill it
         context = self._wait_context()
         pays = fastpath.overflow_pays(self.sizes[candidates], self.table.current_margin(worker),
@@ -789,7 +817,8 @@ class _Round:
             overhead = (fleet.step_overhead if fleet.step_overhead is not None
                         else DEFAULT_STEP_OVERHEAD)
         return fastpath.WaitContext(fleet.capacity, fleet.live_workers,
-                                    fleet.live_active + len(self.out), overhead)
+                                    fleet.live_active + len(self.out), overhead,
+                                    self.impatient)
 
     def _subset(self, worker: int, candidates: list[int]) -> SubsetChoice | None:
         if self.rows is not None:

@@ -254,6 +254,7 @@ class Stage2Result:
 
     admitted: list[tuple[int, int, bool]]
     waiting: list[int]
+    waited: list[int] = field(default_factory=list)  # workers the guard idle held back
 
 
 def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: list[int],
@@ -267,7 +268,8 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
     starvation guard alike (``guard="idle"``, which needs ``wait``: where it applies this
     round, see ``admission._Round._guard_waits``, a worker whose best subset scores F <= 0
     takes nothing where no candidate's overflow pays, :func:`overflow_pays`; a worker with no
-    request, all ``wait.capacity`` slots free, never waits)."""
+    request, all ``wait.capacity`` slots free, never waits, nor does one in
+    ``wait.impatient``)."""
     if guard not in ("always", "idle"):
         raise ValueError(f"guard must be 'always' or 'idle', not {guard!r}")
     if guard == "idle" and wait is None:
@@ -279,6 +281,7 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
     order = sorted((-slots[g] if by_slots else 0, -(envelope - load[g]), g)
                    for g in np.flatnonzero(free > 0).tolist())
     admitted: list[tuple[int, int, bool]] = []
+    waited: list[int] = []
     for _, _, worker in order:
         if not waiting:
             break
@@ -297,12 +300,14 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
             picked = [candidates[k] for k in choice.indices]
             forced = False
         elif (guard == "always" or wait is None or slots[worker] >= wait.capacity
+              or worker in wait.impatient
               or bool(overflow_pays(sizes[candidates], margin, wait.workers,
                                     wait.active + len(admitted), wait.overhead).any())):
             # starvation guard: the single best request, even at F <= 0
             picked = [candidates[int(np.argmax(score(sizes[candidates])))]]
             forced = True
         else:
+            waited.append(worker)
             continue
         for index in picked:
             load[worker] += float(sizes[index])
@@ -310,20 +315,22 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
             admitted.append((index, worker, forced))
         taken = set(picked)
         waiting = [i for i in candidates if i not in taken] + waiting[len(candidates):]
-    return Stage2Result(admitted, waiting)
+    return Stage2Result(admitted, waiting, waited)
 
 
 @dataclass(frozen=True)
 class WaitContext:
     """What the guard ``idle`` weighs besides the candidates: ``capacity`` (B: a worker with
     all B slots free never waits), ``workers`` (G, the workers up), ``active`` (N, the
-    requests running on them, with the round's admissions before :func:`stage2_br0`) and
-    ``overhead`` (``K = b / a`` of the step time ``a M + b``, in KV tokens)."""
+    requests running on them, with the round's admissions before :func:`stage2_br0`),
+    ``overhead`` (``K = b / a`` of the step time ``a M + b``, in KV tokens) and
+    ``impatient`` (workers that have waited ``patience`` rounds in a row: they do not wait)."""
 
     capacity: int
     workers: int
     active: int
     overhead: float
+    impatient: frozenset[int] = frozenset()
 
 
 def overflow_pays(sizes: np.ndarray, margin: float, workers: int, active: int,

@@ -123,6 +123,22 @@ def test_rest_comparison_takes_the_stage2_order_as_the_cli_does(tmp_path):
         assert (br0["policy"], brh["policy"]) == ("br0", "brh-oracle")
     assert guarded["always"][0] != guarded["idle"][0]
     assert guarded["always"][1] != guarded["idle"][1]
+    # a patience of 0 rounds: "idle" never holds a worker back, the rows are "always"'s, from
+    # REST and from the CLI alike
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'p.db'}"))) as c:
+        job = wait(c, c.post("/v1/ab-comparisons", json={
+            "policies": ["br0", "brh-oracle"], "workers": [4], "batch": 8,
+            "load": "backlog", "guard": "idle", "patience": 0, "step_cost": [1.5e-7, 0.0],
+            "trace": {"format": "csv", "content": content}}).json()["id"])
+    assert job["status"] == "done", job
+    assert [{k: v for k, v in r.items() if k != "sim_wall_s"} for r in job["results"]] == \
+        guarded["always"]
+    main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "br0,brh-oracle",
+          "--workers", "4", "--batch", "8", "--load", "backlog", "--guard", "idle",
+          "--patience", "0", "--step-cost", "1.5e-7,0", "--quiet", "--json",
+          str(tmp_path / "patient.json")])
+    assert [{k: v for k, v in r.items() if k != "sim_wall_s"}
+            for r in json.loads((tmp_path / "patient.json").read_text())] == guarded["always"]
 
 
 def test_replaying_the_services_own_observations(tmp_path):
@@ -153,6 +169,7 @@ def test_replaying_the_services_own_observations(tmp_path):
     ({"source": "observations", "stage2_order": "load"}, "stage2_order"),
     ({"source": "observations", "stage2_fill": "maybe"}, "stage2_fill"),
     ({"source": "observations", "guard": "never"}, "guard"),
+    ({"source": "observations", "patience": -1}, "patience"),
     ({"trace": {"format": "csv",
                 "content": "arrival_s,prompt_tokens,output_tokens\n0,1,2\n1,x,3\n"}},
      "line 3"),

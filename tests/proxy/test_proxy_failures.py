@@ -122,3 +122,23 @@ def test_the_guard_idle_keeps_an_empty_rank_working_while_another_is_down(
     assert asyncio.run(_run(proxy.url, 6, 10)) == [10] * 6
     state = assert_quiescent(proxy)
     assert state["up"] == [True, False]
+
+
+def test_the_proxys_patience_reaches_its_router_and_bad_values_are_refused(capsys):
+    """``--patience`` (rounds a rank may wait under the guard ``idle``) reaches the router's
+    parameters, kept by the BR-H policy too; a negative or non-integer value is refused with
+    the option named (argparse), and so is a negative one given to the config directly."""
+    from predictor.cli import main
+    from proxy.app import Proxy, ProxyConfig
+
+    for policy, extra in (("br0", {}), ("brh", {"predictor_url": "http://127.0.0.1:9"})):
+        proxy = Proxy(ProxyConfig(decode=["http://127.0.0.1:9"], policy=policy, patience=3,
+                                  **extra))
+        assert proxy.client.config.params.patience == 3
+    with pytest.raises(ValueError, match="--patience"):
+        ProxyConfig(decode=["http://127.0.0.1:9"], patience=-1)
+    for bad in ("-1", "2.5"):
+        with pytest.raises(SystemExit) as exc:
+            main(["proxy", "--decode", "http://127.0.0.1:9", "--patience", bad])
+        assert exc.value.code == 2
+        assert "--patience" in capsys.readouterr().err

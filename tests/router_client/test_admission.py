@@ -608,6 +608,58 @@ def test_guard_idle_never_holds_back_a_worker_with_no_request():
         assert [a.worker for a in got] == [0] and got[0].starvation_guard
 
 
+@pytest.mark.parametrize("reference", [True, False])
+def test_a_worker_out_of_patience_takes_its_best_request(reference):
+    # the fleet of test_guard_idle_leaves_the_slots_empty_where_no_request_lowers_the_imbalance
+    # (G = 2, B = 11, both workers at 1,000 tokens, margins 0, no fixed step cost): "idle"
+    # holds both back. With a patience of 3 rounds, a worker that has waited 2 rounds in a
+    # row still waits; one that has waited 3 takes the request "always" would give it
+    fleet = many_small(100.0)
+    pool = [WaitingRequest("a", 300), WaitingRequest("b", 100), WaitingRequest("c", 200)]
+    idle = BalanceRouteParams.br0(s_greedy=2, guard="idle", step_overhead=0.0, patience=3)
+    got, stats = route_round(fleet, pool, idle, reference=reference, waited=np.array([2, 2]))
+    assert got == [] and stats.waited == [0, 1]
+    got, stats = route_round(fleet, pool, idle, reference=reference, waited=np.array([3, 2]))
+    assert [(a.pool_index, a.worker, a.starvation_guard) for a in got] == [(1, 0, True)]
+    assert stats.waited == [1] and stats.starvation_guard_admissions == 1
+    # no count given (a caller that keeps none), or no bound: nobody is out of patience
+    assert route_round(fleet, pool, idle, reference=reference)[0] == []
+    assert route_round(fleet, pool, replace(idle, patience=None), reference=reference,
+                       waited=np.array([10**6, 10**6]))[0] == []
+    # patience 0: never waits, the guard "always"
+    always = route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=2), reference=reference)
+    assert route_round(fleet, pool, replace(idle, patience=0), reference=reference,
+                       waited=np.zeros(2, dtype=int))[0] == always[0]
+
+
+def test_the_policy_counts_each_workers_waits_and_resets_after_an_admission():
+    # the same fleet, routed round after round by the policy (nothing changes between
+    # rounds): each worker waits 3 rounds, takes a request in the 4th (worker 0 first, by
+    # the Stage-2 order; worker 1 in the same round), and its count starts again
+    fleet = many_small(100.0)
+    pool = [WaitingRequest("a", 300), WaitingRequest("b", 100), WaitingRequest("c", 200)]
+    policy = make_policy("br0", params=BalanceRouteParams.br0(
+        s_greedy=2, guard="idle", step_overhead=0.0, patience=3))
+    admitted = [len(policy.route(fleet, pool).assignments) for _ in range(8)]
+    assert admitted == [0, 0, 0, 2, 0, 0, 0, 2]
+    # BR-H keeps the same count (its own rounds and its fallback's)
+    brh = make_policy("brh", params=BalanceRouteParams(guard="idle", step_overhead=0.0,
+                                                       s_greedy=2, patience=2))
+    view = replace(fleet, active_c_hat=np.full(20, 80.0), pool_c_hat=np.full(3, 80.0))
+    rounds = [brh.route(view if k % 2 else fleet, pool).assignments for k in range(6)]
+    assert [len(r) for r in rounds] == [0, 0, 2, 0, 0, 2]
+    # worker 0's admission is the guard's (F <= 0); after it BR-H's lookahead may see room
+    # for worker 1's (the new request raises the projected maximum), BR-0's does not
+    assert all(r[0].starvation_guard and r[0].worker == 0 for r in rounds if r)
+
+
+def test_patience_must_be_a_whole_number_of_rounds():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ParameterError, match="patience"):
+            BalanceRouteParams(patience=bad)  # type: ignore[arg-type]
+    assert BalanceRouteParams(patience=0).as_br0().patience == 0
+
+
 def test_the_guard_defaults_to_idle_for_brh_and_always_for_br0():
     assert BalanceRouteParams().effective_guard == "idle"
     assert BalanceRouteParams.br0().effective_guard == "always"

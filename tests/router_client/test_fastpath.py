@@ -48,14 +48,15 @@ def fleet_and_pool(seed, workers, capacity, pool_size, size_range, free_share=No
        count_weight=st.sampled_from([0.0, 1.0, 7.0, 0.3]), order=st.sampled_from(STAGE2_ORDERS),
        fill=st.booleans(), guard=st.sampled_from(GUARD_RULES),
        overhead=st.sampled_from([None, 0.0, 10.0, 500.0, float("inf")]),
-       down=st.booleans())
+       down=st.booleans(), patience=st.sampled_from([None, 0, 1, 3]))
 def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_size,
                                                  size_range, stage1, s_greedy, candidates,
                                                  r_max, count_weight, order, fill, guard,
-                                                 overhead, down):
+                                                 overhead, down, patience):
     # small size ranges force ties in F, in load and in size (and, with a count weight, in
     # load + weight * active requests); the guard idle's fixed cost from 0 (it waits most)
-    # to inf (never), and worker 0 down as the proxy shows it (full, marked down)
+    # to inf (never), worker 0 down as the proxy shows it (full, marked down), and workers
+    # that have waited 0-3 rounds in a row against a patience of 0-3 rounds (or none)
     fleet, pool = fleet_and_pool(seed, workers, capacity, pool_size, size_range)
     if down:
         mask = np.arange(workers) == 0
@@ -64,12 +65,17 @@ def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_s
     params = BalanceRouteParams.br0(stage1=stage1, s_greedy=s_greedy,
                                     stage1_candidates=candidates, r_max=r_max,
                                     lpt_count_weight=count_weight, stage2_order=order,
-                                    stage2_fill=fill, guard=guard, step_overhead=overhead)
-    want, want_stats = route_round(fleet, pool, params, reference=True)
-    got, got_stats = route_round(fleet, pool, params, reference=False)
+                                    stage2_fill=fill, guard=guard, step_overhead=overhead,
+                                    patience=patience)
+    waited = np.random.default_rng(seed + 1).integers(0, 4, workers)
+    want, want_stats = route_round(fleet, pool, params, reference=True, waited=waited)
+    got, got_stats = route_round(fleet, pool, params, reference=False, waited=waited)
     assert got == want
     assert got_stats.stage1_admissions == want_stats.stage1_admissions
     assert got_stats.starvation_guard_admissions == want_stats.starvation_guard_admissions
+    assert got_stats.waited == want_stats.waited
+    if patience is not None:  # a worker out of patience is never held back
+        assert not [w for w in got_stats.waited if waited[w] >= patience]
 
 
 @pytest.mark.parametrize(("stage1", "order", "fill", "guard"),

@@ -137,7 +137,7 @@ def table(args: argparse.Namespace) -> None:
             tok = [a["throughput_tok_s"] / b["throughput_tok_s"] for a, b in pairs]
             cols.append(f"{mean(imb):.3f} ({min(imb):.3f}..{max(imb):.3f})")
             cols.append(f"{mean(tok):.4f} ({min(tok):.4f}..{max(tok):.4f})")
-        print(f"| {trace} | {load} | {g} | {len(pairs)} | " + " | ".join(cols) + " |")
+        print(f"| {trace} | {load} | {g} | {len(reps)} | " + " | ".join(cols) + " |")
 
 
 def main() -> None:

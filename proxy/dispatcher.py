@@ -212,6 +212,8 @@ class Dispatcher:
                 metrics.admissions.labels("stage2").inc(stats.stage2_admissions)
             if stats.starvation_guard_admissions:
                 metrics.guard.inc(stats.starvation_guard_admissions)
+            if stats.waited:
+                metrics.guard_waits.inc(len(stats.waited))
             if "gamma" in stats.extra:
                 metrics.gamma.set(stats.extra["gamma"])
         for request_id, rank in dispatches:

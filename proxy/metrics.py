@@ -51,6 +51,9 @@ class ProxyMetrics:
                                   "dispatches by admission stage", ["stage"], registry=r)
         self.guard = Counter("balanceroute_proxy_guard_admissions_total",
                              "starvation-guard admissions", registry=r)
+        self.guard_waits = Counter("balanceroute_proxy_guard_waits_total",
+                                   "ranks the guard idle left with empty slots, one per rank "
+                                   "and round", registry=r)
         self.router_latency = Histogram("balanceroute_proxy_router_seconds",
                                         "one routing round (RouterClient.tick)",
                                         buckets=LATENCY_BUCKETS, registry=r)

@@ -142,3 +142,33 @@ def test_the_proxys_patience_reaches_its_router_and_bad_values_are_refused(capsy
             main(["proxy", "--decode", "http://127.0.0.1:9", "--patience", bad])
         assert exc.value.code == 2
         assert "--patience" in capsys.readouterr().err
+
+
+def _guard_waits(proxy) -> float:
+    for line in httpx.get(proxy.url + "/metrics").text.splitlines():
+        if line.startswith("balanceroute_proxy_guard_waits_total "):
+            return float(line.split()[1])
+    raise AssertionError("balanceroute_proxy_guard_waits_total is not exported")
+
+
+@pytest.mark.timeout(90)
+def test_the_guard_idle_holds_ranks_back_and_patience_zero_never_does(launcher: Launcher):
+    """Two ranks of four slots (8 > ``s_greedy`` 7, so the guard ``idle`` acts), no fixed step
+    cost to weigh (``--step-overhead 0``) and twelve equal 50-token prompts at once: a rank
+    at the maximum load scores every prompt F = 50 - 2 * 50 < 0, and ``idle`` leaves its
+    slots empty while the other rank takes what fits, so ``/metrics`` counts ranks held back;
+    every request still completes. With ``--patience 0`` the same proxy never holds a rank
+    back (the guard ``always``)."""
+    emulator = launcher.emulator(workers=2, batch=4, time_scale=1.0)
+    waits = {}
+    for patience in (None, "0"):
+        extra = ("--guard", "idle", "--step-overhead", "0", "--pool-ttl", "30")
+        if patience is not None:
+            extra += ("--patience", patience)
+        proxy = launcher.proxy(rank_urls(emulator, 2), policy="br0", batch=4, extra=extra)
+        assert asyncio.run(_run(proxy.url, 12, 20)) == [20] * 12
+        assert_quiescent(proxy)
+        waits[patience] = _guard_waits(proxy)
+        proxy.stop()
+    assert waits[None] > 0
+    assert waits["0"] == 0

@@ -386,8 +386,8 @@ class AbComparisonIn(ReplayIn):
         "positive: always (admit the single best request anyway; the paper's) or idle "
         "(leave its slots empty this round where no request would lower the imbalance now); "
         "null (default): idle for BR-H, always for BR-0")
-    patience: int | None = Field(
-        BalanceRouteParams.patience, ge=0,
+    patience: Annotated[int, Field(strict=True, ge=0, le=1_000_000_000)] | None = Field(
+        BalanceRouteParams.patience,
         description="with the guard idle, a worker that has left its free slots empty this "
         "many rounds in a row takes its best request in the next (0: never waits; null, the "
         "default: no bound)")

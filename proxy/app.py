@@ -102,8 +102,10 @@ class ProxyConfig:
             raise ValueError(f"--guard must be one of {', '.join(GUARD_RULES)}")
         if self.step_overhead is not None and not self.step_overhead >= 0:
             raise ValueError("--step-overhead must be >= 0 KV tokens")
-        if self.patience is not None and self.patience < 0:
-            raise ValueError("--patience must be >= 0 rounds")
+        if self.patience is not None and (isinstance(self.patience, bool)
+                                          or not isinstance(self.patience, int)
+                                          or self.patience < 0):
+            raise ValueError("--patience must be a whole number of rounds >= 0")
 
 
 class ProxyError(Exception):

@@ -105,7 +105,9 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     proxy.add_argument("--patience", type=_rounds, default=None, metavar="ROUNDS",
                        help="with the guard idle, a rank that has left its free slots empty "
                        "this many routing rounds in a row takes its best request in the next "
-                       "(0: never waits; default: no bound)")
+                       "(0: never waits; default: no bound). A round comes with every event "
+                       "and every 10 ms while requests wait, at most once per --step-ms: set "
+                       "--step-ms for a bound in decode steps")
     proxy.add_argument("--prefill-kv-budget", type=int, default=2_000_000,
                        help="KV tokens one prefill instance may hold for pending hand-offs")
     proxy.set_defaults(handler=cmd_proxy)

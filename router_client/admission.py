@@ -50,6 +50,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from itertools import combinations, islice
 from math import comb
+from numbers import Integral
 from operator import attrgetter
 from time import perf_counter
 from typing import Literal, get_args
@@ -266,7 +267,7 @@ class BalanceRouteParams:
         if not self.lpt_count_weight >= 0:
             raise ParameterError("lpt_count_weight", "must be >= 0")
         if self.patience is not None and (isinstance(self.patience, bool)
-                                          or not isinstance(self.patience, int)
+                                          or not isinstance(self.patience, Integral)
                                           or self.patience < 0):
             raise ParameterError("patience", "must be a whole number of rounds >= 0 (or None: "
                                              "no bound)")
@@ -575,9 +576,10 @@ class _Round:
                  waited: np.ndarray | None = None) -> None:
         self.fleet, self.params, self.free, self.stats = fleet, params, free, stats
         patience = params.patience
+        if waited is None:  # the caller keeps no count: none has waited
+            waited = np.zeros(fleet.workers, dtype=np.int64)
         self.impatient: frozenset[int] = frozenset(
-            () if patience is None or waited is None
-            else np.flatnonzero(np.asarray(waited) >= patience).tolist())
+            () if patience is None else np.flatnonzero(np.asarray(waited) >= patience).tolist())
         self.fast = fast  # BR-H's enumerated subsets vectorized (fastpath.best_row_subset)
         self.total_free = int(free.sum())
         self.sizes = np.fromiter(map(_PROMPT_TOKENS, islice(pool, head)), dtype=np.float64,

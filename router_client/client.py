@@ -22,7 +22,7 @@ from .admission import BalanceRouteParams, gamma_value
 from .errors import ParameterError
 from .fallback import FallbackController, RouterMetrics
 from .fleet import ArrivalRate
-from .policies import Policy, make_policy
+from .policies import BalanceRoutePolicy, Policy, make_policy
 from .prediction import PredictionCache
 from .predictors import ActiveBatch, FinishedBatch, Predictor
 from .shadow import ShadowPolicy
@@ -74,6 +74,7 @@ class RouterClient:
         self.adopted: dict | None = None
         base = policy or make_policy("brh" if config.params.horizon else "br0",
                                      params=config.params)
+        self.base_policy: Policy = base  # the policy before the wrap and the shadows
         self.policy: Policy = self._install(base)
         horizon = config.params.horizon if base.needs_predictions else 0
         self.predictions = PredictionCache(
@@ -180,8 +181,12 @@ class RouterClient:
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("recommendation %s ignored: %s", advice, exc)
             return False
-        self.policy = self._install(make_policy("brh" if params.horizon else "br0",
-                                                params=params))
+        base = make_policy("brh" if params.horizon else "br0", params=params)
+        if isinstance(base, BalanceRoutePolicy) and isinstance(self.base_policy,
+                                                               BalanceRoutePolicy):
+            base.waited = self.base_policy.waited  # the guard's count outlives the switch
+        self.base_policy = base
+        self.policy = self._install(base)
         if params.horizon:
             self.predictions.horizon = params.horizon
         self.params = params

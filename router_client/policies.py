@@ -140,21 +140,22 @@ class BalanceRoutePolicy:
         self.params = params
         self.needs_predictions = params.horizon > 0
         self._fallback = params.as_br0()
-        # rounds in a row the guard idle has held each worker back (``params.patience``)
-        self._waited = np.zeros(0, dtype=np.int64)
+        # rounds in a row the guard idle has held each worker back (``params.patience``):
+        # rounds this policy routes; a stretch with no request waiting is not a round
+        self.waited = np.zeros(0, dtype=np.int64)
 
     def route(self, fleet: FleetView, pool: list[WaitingRequest]) -> Decision:
         params = self.params
         if params.horizon > 0 and fleet.active_c_hat is None:
             params = self._fallback
-        if self._waited.shape[0] != fleet.workers:
-            self._waited = np.zeros(fleet.workers, dtype=np.int64)
-        assignments, stats = route_round(fleet, pool, params, waited=self._waited)
-        waited = np.zeros_like(self._waited)
+        if self.waited.shape[0] != fleet.workers:  # a new fleet: nobody has waited in it
+            self.waited = np.zeros(fleet.workers, dtype=np.int64)
+        assignments, stats = route_round(fleet, pool, params, waited=self.waited)
+        waited = np.zeros_like(self.waited)
         if stats.waited:
             held = np.asarray(stats.waited)
-            waited[held] = self._waited[held] + 1
-        self._waited = waited
+            waited[held] = self.waited[held] + 1
+        self.waited = waited
         return Decision(assignments, stats)
 
 

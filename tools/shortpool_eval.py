@@ -135,7 +135,8 @@ def table(args: argparse.Namespace) -> None:
                 continue
             imb = [a["imbalance_total_mean"] / b["imbalance_total_mean"] for a, b in pairs]
             tok = [a["throughput_tok_s"] / b["throughput_tok_s"] for a, b in pairs]
-            cols.append(f"{mean(imb):.3f} ({min(imb):.3f}..{max(imb):.3f})")
+            short = f" [{len(pairs)} reps]" if len(pairs) != len(reps) else ""  # partly run
+            cols.append(f"{mean(imb):.3f} ({min(imb):.3f}..{max(imb):.3f}){short}")
             cols.append(f"{mean(tok):.4f} ({min(tok):.4f}..{max(tok):.4f})")
         print(f"| {trace} | {load} | {g} | {len(reps)} | " + " | ".join(cols) + " |")
 

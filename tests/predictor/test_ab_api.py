@@ -170,6 +170,8 @@ def test_replaying_the_services_own_observations(tmp_path):
     ({"source": "observations", "stage2_fill": "maybe"}, "stage2_fill"),
     ({"source": "observations", "guard": "never"}, "guard"),
     ({"source": "observations", "patience": -1}, "patience"),
+    ({"source": "observations", "patience": True}, "patience"),
+    ({"source": "observations", "patience": "3"}, "patience"),
     ({"trace": {"format": "csv",
                 "content": "arrival_s,prompt_tokens,output_tokens\n0,1,2\n1,x,3\n"}},
      "line 3"),

@@ -626,10 +626,12 @@ def test_a_worker_out_of_patience_takes_its_best_request(reference):
     assert route_round(fleet, pool, idle, reference=reference)[0] == []
     assert route_round(fleet, pool, replace(idle, patience=None), reference=reference,
                        waited=np.array([10**6, 10**6]))[0] == []
-    # patience 0: never waits, the guard "always"
+    # patience 0: never waits, the guard "always" (a caller that keeps no count included)
     always = route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=2), reference=reference)
     assert route_round(fleet, pool, replace(idle, patience=0), reference=reference,
                        waited=np.zeros(2, dtype=int))[0] == always[0]
+    assert route_round(fleet, pool, replace(idle, patience=0), reference=reference)[0] == \
+        always[0]
 
 
 def test_the_policy_counts_each_workers_waits_and_resets_after_an_admission():
@@ -653,11 +655,25 @@ def test_the_policy_counts_each_workers_waits_and_resets_after_an_admission():
     assert all(r[0].starvation_guard and r[0].worker == 0 for r in rounds if r)
 
 
+def test_the_wait_count_starts_again_in_a_new_fleet():
+    # the policy's count is per worker of the fleet it routes: a fleet of another size (a
+    # rebuilt fleet, a reused policy) starts from zero instead of reading stale indices
+    policy = make_policy("br0", params=BalanceRouteParams.br0(
+        s_greedy=3, guard="idle", step_overhead=0.0, patience=2))  # 3 free slots: Stage 2
+    pool = [WaitingRequest("a", 300), WaitingRequest("b", 100), WaitingRequest("c", 200)]
+    two = many_small(100.0)
+    assert [len(policy.route(two, pool).assignments) for _ in range(2)] == [0, 0]
+    three = many_small(100.0, loads=(1000.0, 1000.0, 1000.0))
+    pool.append(WaitingRequest("d", 400))  # more requests than the 3 free slots
+    assert [len(policy.route(three, pool).assignments) for _ in range(3)] == [0, 0, 3]
+
+
 def test_patience_must_be_a_whole_number_of_rounds():
     for bad in (-1, 1.5, True):
         with pytest.raises(ParameterError, match="patience"):
             BalanceRouteParams(patience=bad)  # type: ignore[arg-type]
     assert BalanceRouteParams(patience=0).as_br0().patience == 0
+    assert BalanceRouteParams(patience=np.int64(3)).patience == 3  # numpy integers too
 
 
 def test_the_guard_defaults_to_idle_for_brh_and_always_for_br0():

@@ -144,3 +144,17 @@ def test_router_client_measures_the_arrival_rate_it_routes_with():
     client.tick(0.0)  # two admitted, one left waiting (capacity 1 per worker)
     client.tick(0.1)
     assert seen.rates == [3.0, pytest.approx(0.98 * 3 / 1.98)]
+
+
+def test_adopting_a_recommendation_keeps_the_guards_wait_count():
+    """A recommendation rebuilds the policy; the guard ``idle``'s count of rounds each worker
+    has waited (what ``patience`` bounds) carries over, so a switch cannot restart a wait."""
+    params = BalanceRouteParams(guard="idle", patience=3)
+    client = RouterClient(RouterConfig(workers=2, capacity=4, params=params))
+    first = client.base_policy
+    first.waited = np.array([2, 0])
+    for advice in ({"policy": "br0"}, {"policy": "brh", "horizon": 40, "gamma": 0.9}):
+        assert client.adopt(advice)
+        assert client.base_policy is not first and client.policy is client.base_policy
+        assert client.base_policy.waited.tolist() == [2, 0]
+        assert client.base_policy.params.patience == 3

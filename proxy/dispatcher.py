@@ -214,6 +214,8 @@ class Dispatcher:
                 metrics.guard.inc(stats.starvation_guard_admissions)
             if stats.waited:
                 metrics.guard_waits.inc(len(stats.waited))
+            if stats.patience_admissions:
+                metrics.patience.inc(stats.patience_admissions)
             if "gamma" in stats.extra:
                 metrics.gamma.set(stats.extra["gamma"])
         for request_id, rank in dispatches:

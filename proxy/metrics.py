@@ -54,6 +54,9 @@ class ProxyMetrics:
         self.guard_waits = Counter("balanceroute_proxy_guard_waits_total",
                                    "ranks the guard idle left with empty slots, one per rank "
                                    "and round", registry=r)
+        self.patience = Counter("balanceroute_proxy_guard_patience_admissions_total",
+                                "guard admissions of ranks the guard idle would have held "
+                                "back longer than --patience rounds", registry=r)
         self.router_latency = Histogram("balanceroute_proxy_router_seconds",
                                         "one routing round (RouterClient.tick)",
                                         buckets=LATENCY_BUCKETS, registry=r)

@@ -361,6 +361,7 @@ class RoundStats:
     used_prediction: bool = False
     extra: dict[str, float] = field(default_factory=dict)
     waited: list[int] = field(default_factory=list)  # workers the guard idle held back
+    patience_admissions: int = 0  # guard admissions of workers out of patience
 
 
 def build_table(fleet: FleetView, params: BalanceRouteParams,
@@ -670,6 +671,7 @@ class _Round:
                                    "idle" if self._guard_waits() else "always",
                                    self._wait_context())
         self.stats.waited.extend(done.waited)
+        self.stats.patience_admissions += done.patience_admissions
         for index, worker, guard in done.admitted:
             self.out.append(Assignment(index, worker, guard))
             self.stats.stage2_admissions += 1
@@ -774,7 +776,7 @@ class _Round:
                 for index in picked:
                     self.admit(worker, index)
                 self.stats.stage2_admissions += len(picked)
-            elif self._wait(worker, candidates):
+            elif (holds := self._wait(worker, candidates)) and worker not in self.impatient:
                 self.stats.waited.append(worker)
                 continue  # the slots stay empty this round (guard "idle")
             else:  # starvation guard: the single best request, even at F <= 0
@@ -782,6 +784,7 @@ class _Round:
                 self.admit(worker, index, guard=True)
                 self.stats.stage2_admissions += 1
                 self.stats.starvation_guard_admissions += 1
+                self.stats.patience_admissions += int(holds)  # it would have waited
                 picked = [index]
             taken = set(picked)  # all among the first r_max: only the head is rebuilt
             head = len(candidates)
@@ -801,9 +804,10 @@ class _Round:
         nothing this round, i.e. no candidate's overflow pays
         (:func:`router_client.fastpath.overflow_pays`: BR-0's F now plus the admission's
         share of the step's fixed cost is not positive for any; where BR-H's lookahead alone
-        objects it admits its best request as the guard ``always`` does)."""
-        if (not self._guard_waits() or self.free[worker] >= self.fleet.capacity
-                or worker in self.impatient):
+        objects it admits its best request as the guard ``always`` does). A worker out of
+        patience (:attr:`impatient`) takes its best request all the same: the caller's
+        business."""
+        if not self._guard_waits() or self.free[worker] >= self.fleet.capacity:
             return False  # an empty worker never waits: nothing else would fill it
         context = self._wait_context()
         pays = fastpath.overflow_pays(self.sizes[candidates], self.table.current_margin(worker),

@@ -255,6 +255,7 @@ class Stage2Result:
     admitted: list[tuple[int, int, bool]]
     waiting: list[int]
     waited: list[int] = field(default_factory=list)  # workers the guard idle held back
+    patience_admissions: int = 0  # guard admissions of workers out of patience
 
 
 def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: list[int],
@@ -282,6 +283,7 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
                    for g in np.flatnonzero(free > 0).tolist())
     admitted: list[tuple[int, int, bool]] = []
     waited: list[int] = []
+    patience_admissions = 0
     for _, _, worker in order:
         if not waiting:
             break
@@ -299,23 +301,27 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
         if choice.score > 0:
             picked = [candidates[k] for k in choice.indices]
             forced = False
-        elif (guard == "always" or wait is None or slots[worker] >= wait.capacity
-              or worker in wait.impatient
-              or bool(overflow_pays(sizes[candidates], margin, wait.workers,
-                                    wait.active + len(admitted), wait.overhead).any())):
+        else:
+            # the guard idle holds the worker back where no candidate's overflow pays (a
+            # worker with no request never waits), unless it is out of patience
+            holds = (guard == "idle" and wait is not None and slots[worker] < wait.capacity
+                     and not bool(overflow_pays(sizes[candidates], margin, wait.workers,
+                                                wait.active + len(admitted),
+                                                wait.overhead).any()))
+            if holds and wait is not None and worker not in wait.impatient:
+                waited.append(worker)
+                continue
+            patience_admissions += holds
             # starvation guard: the single best request, even at F <= 0
             picked = [candidates[int(np.argmax(score(sizes[candidates])))]]
             forced = True
-        else:
-            waited.append(worker)
-            continue
         for index in picked:
             load[worker] += float(sizes[index])
             envelope = max(envelope, load[worker])
             admitted.append((index, worker, forced))
         taken = set(picked)
         waiting = [i for i in candidates if i not in taken] + waiting[len(candidates):]
-    return Stage2Result(admitted, waiting, waited)
+    return Stage2Result(admitted, waiting, waited, patience_admissions)
 
 
 @dataclass(frozen=True)

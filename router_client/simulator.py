@@ -223,6 +223,8 @@ class MetricsCollector:
         self.finish_clock = np.full(n, np.nan)
         self.finish_step = np.full(n, -1, dtype=np.int64)
         self.guard_admissions = 0
+        self.guard_waits = 0  # workers the guard idle held back, one per worker and round
+        self.patience_admissions = 0  # guard admissions of workers out of patience
         self.gammas: list[float] = []  # BR-H's discount per round (turnover: it varies)
         self.fallback_rounds: list[int] = []
         self.last_admission_step = -1
@@ -266,6 +268,8 @@ class MetricsCollector:
             "balanced_bound_tok_s": tokens_window / balanced_time if busy_time else 0.0,
             **self._latencies(outputs),
             "starvation_guard_admissions": self.guard_admissions,
+            "guard_waits": self.guard_waits,
+            "patience_admissions": self.patience_admissions,
             "fallback_steps": len(self.fallback_rounds),
             "gamma_mean": float(np.mean(self.gammas)) if self.gammas else None,
             "drain_steps": drain, "makespan_s": clock, "routing_steps": int(steps_in_window),
@@ -390,8 +394,11 @@ class Simulation:
             if view.active_c_hat is None:
                 self.metrics.fallback_rounds.append(self.step)
         decision = self.policy.route(view, visible)
-        if "gamma" in decision.stats.extra:
-            self.metrics.gammas.append(decision.stats.extra["gamma"])
+        stats = decision.stats
+        if "gamma" in stats.extra:
+            self.metrics.gammas.append(stats.extra["gamma"])
+        self.metrics.guard_waits += len(stats.waited)
+        self.metrics.patience_admissions += stats.patience_admissions
         if not decision.assignments:
             return
         taken: set[int] = set()

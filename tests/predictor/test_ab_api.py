@@ -131,14 +131,23 @@ def test_rest_comparison_takes_the_stage2_order_as_the_cli_does(tmp_path):
             "load": "backlog", "guard": "idle", "patience": 0, "step_cost": [1.5e-7, 0.0],
             "trace": {"format": "csv", "content": content}}).json()["id"])
     assert job["status"] == "done", job
-    assert [{k: v for k, v in r.items() if k != "sim_wall_s"} for r in job["results"]] == \
-        guarded["always"]
+
+    def decisions(rows):  # the rows but the wall time and who forced the guard's admissions
+        return [{k: v for k, v in r.items() if k not in ("sim_wall_s", "patience_admissions")}
+                for r in rows]
+
+    assert decisions(job["results"]) == decisions(guarded["always"])
+    # where "idle" would have held a worker back, patience forced the admission: counted
+    assert all(r["patience_admissions"] > 0 and r["guard_waits"] == 0 for r in job["results"])
+    assert all(r["patience_admissions"] == 0 and r["guard_waits"] > 0 for r in guarded["idle"])
     main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "br0,brh-oracle",
           "--workers", "4", "--batch", "8", "--load", "backlog", "--guard", "idle",
           "--patience", "0", "--step-cost", "1.5e-7,0", "--quiet", "--json",
           str(tmp_path / "patient.json")])
-    assert [{k: v for k, v in r.items() if k != "sim_wall_s"}
-            for r in json.loads((tmp_path / "patient.json").read_text())] == guarded["always"]
+    cli = json.loads((tmp_path / "patient.json").read_text())
+    assert decisions(cli) == decisions(guarded["always"])
+    assert [r["patience_admissions"] for r in cli] == \
+        [r["patience_admissions"] for r in job["results"]]
 
 
 def test_replaying_the_services_own_observations(tmp_path):

@@ -104,7 +104,9 @@ def test_models_health_and_metrics(fleet):
                  "balanceroute_proxy_router_seconds_bucket",
                  "balanceroute_proxy_pool_expired_total",
                  "balanceroute_proxy_guard_admissions_total",
-                 "balanceroute_proxy_guard_waits_total", "balanceroute_proxy_brh_gamma",
+                 "balanceroute_proxy_guard_waits_total",
+                 "balanceroute_proxy_guard_patience_admissions_total",
+                 "balanceroute_proxy_brh_gamma",
                  "balanceroute_router_brh_active"):
         assert name in text, name
 

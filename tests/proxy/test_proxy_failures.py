@@ -144,11 +144,11 @@ def test_the_proxys_patience_reaches_its_router_and_bad_values_are_refused(capsy
         assert "--patience" in capsys.readouterr().err
 
 
-def _guard_waits(proxy) -> float:
+def _counter(proxy, name: str) -> float:
     for line in httpx.get(proxy.url + "/metrics").text.splitlines():
-        if line.startswith("balanceroute_proxy_guard_waits_total "):
+        if line.startswith(name + " "):
             return float(line.split()[1])
-    raise AssertionError("balanceroute_proxy_guard_waits_total is not exported")
+    raise AssertionError(f"{name} is not exported")
 
 
 @pytest.mark.timeout(90)
@@ -158,9 +158,10 @@ def test_the_guard_idle_holds_ranks_back_and_patience_zero_never_does(launcher: 
     at the maximum load scores every prompt F = 50 - 2 * 50 < 0, and ``idle`` leaves its
     slots empty while the other rank takes what fits, so ``/metrics`` counts ranks held back;
     every request still completes. With ``--patience 0`` the same proxy never holds a rank
-    back (the guard ``always``)."""
+    back (the guard ``always``): where it would have, patience forces the admission, and
+    ``/metrics`` counts that."""
     emulator = launcher.emulator(workers=2, batch=4, time_scale=1.0)
-    waits = {}
+    waits, forced = {}, {}
     for patience in (None, "0"):
         extra = ("--guard", "idle", "--step-overhead", "0", "--pool-ttl", "30")
         if patience is not None:
@@ -168,7 +169,8 @@ def test_the_guard_idle_holds_ranks_back_and_patience_zero_never_does(launcher: 
         proxy = launcher.proxy(rank_urls(emulator, 2), policy="br0", batch=4, extra=extra)
         assert asyncio.run(_run(proxy.url, 12, 20)) == [20] * 12
         assert_quiescent(proxy)
-        waits[patience] = _guard_waits(proxy)
+        waits[patience] = _counter(proxy, "balanceroute_proxy_guard_waits_total")
+        forced[patience] = _counter(proxy, "balanceroute_proxy_guard_patience_admissions_total")
         proxy.stop()
-    assert waits[None] > 0
-    assert waits["0"] == 0
+    assert waits[None] > 0 and forced[None] == 0
+    assert waits["0"] == 0 and forced["0"] > 0

@@ -618,10 +618,16 @@ def test_a_worker_out_of_patience_takes_its_best_request(reference):
     pool = [WaitingRequest("a", 300), WaitingRequest("b", 100), WaitingRequest("c", 200)]
     idle = BalanceRouteParams.br0(s_greedy=2, guard="idle", step_overhead=0.0, patience=3)
     got, stats = route_round(fleet, pool, idle, reference=reference, waited=np.array([2, 2]))
-    assert got == [] and stats.waited == [0, 1]
+    assert got == [] and stats.waited == [0, 1] and stats.patience_admissions == 0
     got, stats = route_round(fleet, pool, idle, reference=reference, waited=np.array([3, 2]))
     assert [(a.pool_index, a.worker, a.starvation_guard) for a in got] == [(1, 0, True)]
     assert stats.waited == [1] and stats.starvation_guard_admissions == 1
+    assert stats.patience_admissions == 1  # the guard's admission is patience's
+    # out of patience where idle would admit anyway (a fixed step cost that pays): the
+    # guard's admissions are not patience's
+    _, stats = route_round(fleet, pool, replace(idle, step_overhead=None), reference=reference,
+                           waited=np.array([3, 3]))
+    assert stats.starvation_guard_admissions == 2 and stats.patience_admissions == 0
     # no count given (a caller that keeps none), or no bound: nobody is out of patience
     assert route_round(fleet, pool, idle, reference=reference)[0] == []
     assert route_round(fleet, pool, replace(idle, patience=None), reference=reference,

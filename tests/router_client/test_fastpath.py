@@ -74,6 +74,7 @@ def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_s
     assert got_stats.stage1_admissions == want_stats.stage1_admissions
     assert got_stats.starvation_guard_admissions == want_stats.starvation_guard_admissions
     assert got_stats.waited == want_stats.waited
+    assert got_stats.patience_admissions == want_stats.patience_admissions
     if patience is not None:  # a worker out of patience is never held back
         assert not [w for w in got_stats.waited if waited[w] >= patience]
 

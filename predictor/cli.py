@@ -114,6 +114,32 @@ def _policies(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
+def _add_stage2_options(ab) -> None:
+    """``ab``'s Stage-2 and starvation-guard options (BR-0 and BR-H alike)."""
+    ab.add_argument("--stage2-order", default=BalanceRouteParams.stage2_order,
+                    choices=list(STAGE2_ORDERS),
+                    help="the order in which Stage 2 takes workers with free slots, BR-0 and "
+                    "BR-H: slots (most free slots first, then the widest margin; the paper's) or "
+                    f"margin (the widest margin first); default {BalanceRouteParams.stage2_order}")
+    ab.add_argument("--stage2-fill", action=argparse.BooleanOptionalAction,
+                    default=BalanceRouteParams.stage2_fill,
+                    help="Stage 2 takes, for each worker, the most waiting requests that fit "
+                    "under the current maximum together (then the largest total, or BR-H's best "
+                    "F), and the best F only where none fits (BF-IO's subset rule); default "
+                    "--no-stage2-fill: the best F always (the paper's)")
+    ab.add_argument("--guard", default=None, choices=list(GUARD_RULES),
+                    help="the starvation guard where a worker's best F in Stage 2 is not "
+                    "positive: always (admit the single best request anyway; the paper's) or "
+                    "idle (leave its slots empty this round where no request would lower the "
+                    "imbalance now; Stage 1 admits once more than --s-greedy slots are free); "
+                    "default: idle for BR-H, always for BR-0")
+    ab.add_argument("--patience", type=int, default=BalanceRouteParams.patience,
+                    metavar="ROUNDS",
+                    help="with the guard idle, a worker that has left its free slots empty "
+                    "this many rounds in a row takes its best request in the next (0: never "
+                    "waits; default: no bound; measured, see the README)")
+
+
 def _add_ab(sub) -> None:
     ab = sub.add_parser("ab", help="A/B comparison of routing policies by trace replay")
     ab.add_argument("--trace", required=True,
@@ -161,28 +187,7 @@ def _add_ab(sub) -> None:
                     "largest first onto the least-loaded open worker (lpt) and BR-H places it by "
                     "--short-pool; the paper's most-free-slots rule at "
                     "saturation), paper, best-pair, lpt, auto-pair (best pair on a short pool)")
-    ab.add_argument("--stage2-order", default=BalanceRouteParams.stage2_order,
-                    choices=list(STAGE2_ORDERS),
-                    help="the order in which Stage 2 takes workers with free slots, BR-0 and "
-                    "BR-H: slots (most free slots first, then the widest margin; the paper's) or "
-                    f"margin (the widest margin first); default {BalanceRouteParams.stage2_order}")
-    ab.add_argument("--stage2-fill", action=argparse.BooleanOptionalAction,
-                    default=BalanceRouteParams.stage2_fill,
-                    help="Stage 2 takes, for each worker, the most waiting requests that fit "
-                    "under the current maximum together (then the largest total, or BR-H's best "
-                    "F), and the best F only where none fits (BF-IO's subset rule); default "
-                    "--no-stage2-fill: the best F always (the paper's)")
-    ab.add_argument("--guard", default=None, choices=list(GUARD_RULES),
-                    help="the starvation guard where a worker's best F in Stage 2 is not "
-                    "positive: always (admit the single best request anyway; the paper's) or "
-                    "idle (leave its slots empty this round where no request would lower the "
-                    "imbalance now; Stage 1 admits once more than --s-greedy slots are free); "
-                    "default: idle for BR-H, always for BR-0")
-    ab.add_argument("--patience", type=int, default=BalanceRouteParams.patience,
-                    metavar="ROUNDS",
-                    help="with the guard idle, a worker that has left its free slots empty "
-                    "this many rounds in a row takes its best request in the next (0: never "
-                    "waits; default: no bound; measured, see the README)")
+    _add_stage2_options(ab)
     ab.add_argument("--out", type=Path, default=None, help="directory for CSV and PNG plots")
     ab.add_argument("--json", type=Path, default=None, help="write the result rows here")
     ab.add_argument("--predictor-url", default=None,

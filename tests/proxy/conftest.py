@@ -14,10 +14,22 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from predictor.livesrv import wait_ready
 
 START_TIMEOUT_S = 30.0
+
+
+def scrape(proxy: Process) -> dict[str, float]:
+    """``name{label=value,...}`` -> value, from the proxy's /metrics."""
+    out: dict[str, float] = {}
+    text = httpx.get(proxy.url + "/metrics", timeout=5.0).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
 
 
 def poll_until(predicate, what: str, timeout_s: float, interval_s: float):

@@ -6,25 +6,20 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import Launcher, Process, assert_quiescent, free_ports, poll_until, rank_urls
+from .conftest import (
+    Launcher,
+    Process,
+    assert_quiescent,
+    free_ports,
+    poll_until,
+    rank_urls,
+    scrape,
+)
 
 G, B = 4, 8
-
-
-def scrape(proxy: Process) -> dict[str, float]:
-    """``name{label=value,...}`` -> value, from the proxy's /metrics."""
-    out: dict[str, float] = {}
-    text = httpx.get(proxy.url + "/metrics", timeout=5.0).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            out[f"{sample.name}{{{labels}}}"] = sample.value
-    return out
 
 
 def wait_for(predicate, what: str, timeout_s: float = 60.0) -> dict[str, float]:

@@ -17,6 +17,12 @@ shift      the output distribution changes part-way: lognormal mean ``before_mea
            until fraction ``shift_at`` (0.5) of the requests, then ``after_mean`` (1200), shape
            ``output_sigma`` 0.6; prompts as ``long`` with mean 1000; ``max_output`` 8192;
            ``n`` 20000. For drift tests.
+
+``n`` is the workload's size when nothing else asks; ``--requests N`` (``load_trace(spec,
+requests=N)``) of a spec that leaves ``n`` out synthesizes N requests (more than the default
+too; before 2026-12-03 the default capped them), of one that sets ``n`` min(N, n) of them.
+The draws depend on the count: the first N requests of a larger workload are not the
+N-request workload.
 """
 
 from __future__ import annotations
@@ -64,6 +70,13 @@ def parse_spec(spec: str) -> tuple[str, dict[str, float]]:
     return name, params
 
 
+def _gives_n(spec: str) -> bool:
+    """Whether the spec sets ``n`` itself (``synth:long:n=5000``), not the default."""
+    parts = spec.split(":", 2)
+    return len(parts) == 3 and any(item.partition("=")[0].strip() == "n"
+                                   for item in parts[2].split(","))
+
+
 def _lognormal(rng: np.random.Generator, mean: float, sigma: float, size: int) -> np.ndarray:
     mu = np.log(mean) - sigma**2 / 2.0
     return rng.lognormal(mu, sigma, size)
@@ -71,7 +84,13 @@ def _lognormal(rng: np.random.Generator, mean: float, sigma: float, size: int) -
 
 def synthesize(spec: str, requests: int | None = None) -> Trace:
     name, params = parse_spec(spec)
-    n = int(params["n"]) if requests is None else min(int(params["n"]), requests)
+    n = int(params["n"])
+    if requests is not None:
+        if requests < 1:
+            raise TraceError(spec, "--requests must be at least 1")
+        # N requests asked of a workload whose n is left to its default: N of them (the
+        # default does not cap them); of one that gives n: at most n
+        n = min(n, requests) if _gives_n(spec) else requests
     rng = np.random.default_rng(int(params["seed"]))
     arrivals = np.cumsum(rng.exponential(1.0, n))
     keys: list[str | None] = [None] * n

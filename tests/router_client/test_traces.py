@@ -136,6 +136,19 @@ def test_synthetic_workloads_match_their_documented_shape():
                           synthesize("synth:long:n=50,seed=3").output_tokens)
 
 
+def test_requests_of_a_synthetic_workload_are_not_capped_by_its_default_size():
+    # --requests N past the default n (10,000 for long) synthesizes N; N below it, N as
+    # before (the same trace: seeded draws of that count); an n the spec sets caps N
+    assert len(load_trace("synth:long:seed=2", requests=12000)) == 12000
+    assert np.array_equal(load_trace("synth:long:seed=2", requests=300).output_tokens,
+                          synthesize("synth:long:seed=2,n=300").output_tokens)
+    assert len(load_trace("synth:templated:n=500", requests=800)) == 500
+    assert len(load_trace("synth:templated:n=500", requests=200)) == 200
+    assert len(load_trace("synth:shift")) == 20000
+    with pytest.raises(TraceError, match="at least 1"):
+        load_trace("synth:long", requests=0)
+
+
 @pytest.mark.parametrize("spec, fragment", [("synth:nope", "unknown synthetic"),
                                             ("synth:long:n=x", "must be a number"),
                                             ("synth:long:bogus=1", "bad parameter"),

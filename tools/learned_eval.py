@@ -12,8 +12,8 @@ replicated:
   - Azure, Mooncake, ShareGPT (real traces): ``--sample N --seed k``, N requests drawn at random
     (seeded by k) from the trace, in their order, with their own arrivals (ShareGPT has none:
     Poisson arrivals seeded by k);
-  - synth:long and synth:templated: the first N requests of the synthesized trace with
-    ``seed=k``.
+  - synth:long and synth:templated: the trace of N requests synthesized with ``seed=k``
+    (``--requests N``; the draws depend on N, so it is not the first N of a larger one).
 ``table`` reports per cell and policy the mean and range over replicates of the imbalance and
 throughput ratios to BR-0 in the same run, and the share of the BR-0-to-oracle imbalance gap
 closed. One JSON line per run is appended as it finishes; ``run`` skips runs already there.

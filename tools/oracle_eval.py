@@ -14,8 +14,9 @@ replicate k > 0 of a file trace is its k-th window of ``--requests`` consecutive
 (requests ``k * n`` to ``(k + 1) * n - 1``) while the trace holds it, and past its end ``n``
 requests drawn at random (seeded by k) without replacement, kept in trace order with their
 arrival times (``Trace.sample``). Replicate k of a synthetic trace (k = 0 too) is the trace
-synthesized with ``seed=k`` and ``n`` = ``--requests`` (at 10,000, replicate 0 is the same
-trace as the first 10,000 requests of the workload's default). The simulator's seed is k. ``families``: ``synth:long`` with each output mean x
+synthesized with ``seed=k`` and ``n`` = ``--requests`` (up to 10,000 the same trace as
+before 2026-12-03, when replicate 0 was capped at the workload's default 10,000). The
+simulator's seed is k. ``families``: ``synth:long`` with each output mean x
 prompt mean (lognormal, shape 1.0 and 0.8): workloads of the shapes we do not ship, short
 outputs above all. A ``--variant NAME=k=v,k=v`` sets :class:`BalanceRouteParams` fields for
 BR-H (an empty list: the defaults); BR-0 runs once per replicate and is the reference of
@@ -91,7 +92,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, object]]:
 def replicate(name: str, seed: int, requests: int) -> Trace:
     """Replicate ``seed`` of a bundled trace (see the module docstring)."""
     spec = TRACES[name]
-    if spec.startswith("synth:"):  # n given: the workload's own n (10,000) would cap it
+    if spec.startswith("synth:"):  # ``requests`` of them, synthesized with this seed
         return load_trace(f"{spec}:seed={seed},n={requests}", "auto", None)
     if seed == 0:
         return load_trace(spec, "auto", requests)

@@ -1,4 +1,4 @@
-"""How long a replay must be before the fleet is in its steady state, and what BR-H gains there.
+"""How BR-H's gain over BR-0 changes along a replay and with its length (fleet filling, queue).
 
     python tools/run_length.py run --json rows.jsonl --trace synth:long --workers 16 \
         --load 1.0 --requests 10000,20000 --seeds 1,2,3
@@ -9,7 +9,10 @@ trace and arrivals, B = 64, the default step cost, for each request count and se
 synthetic trace synthesized with ``seed=k`` and that many requests). The routing window (the
 steps up to the last admission, where ``balanceroute ab`` measures) is cut into tenths by
 step; per tenth, each policy's steps, mean max-min imbalance and mean fleet load (the sum of
-the workers' KV loads). One JSON line per (requests, seed). ``plot``: per request count, BR-H's
+the workers' KV loads). One JSON line per (requests, seed), appended as it finishes; a run
+already in the file is skipped. An idle stretch (no request running) counts in the tenth
+where it starts, and each policy's window is its own (they end within a few steps of each
+other). ``plot`` (a file of one trace, G and load): per request count, BR-H's
 imbalance over BR-0's by tenth (each seed, and the ratio of the seeds' summed imbalances) and
 BR-0's fleet load by tenth, against the steps from the start: a run still filling its fleet
 shows the load rising through its window.
@@ -56,8 +59,16 @@ def by_tenth(sim: Simulation) -> dict:
 
 def cmd_run(args: argparse.Namespace) -> None:
     params = BalanceRouteParams(horizon=80)
+    done = set()  # resumable: a (trace, G, load, requests, seed) already in the file is skipped
+    if args.json.exists():
+        for text in args.json.read_text().splitlines():
+            line = json.loads(text)
+            done.add((line["trace"], line["workers"], line["load"], line["requests"],
+                      line["seed"]))
     for requests in args.requests:
         for seed in args.seeds:
+            if (args.trace, args.workers, args.load, requests, seed) in done:
+                continue
             trace = load_trace(f"{args.trace}:seed={seed},n={requests}", "auto", None)
             config = SimConfig(workers=args.workers, batch=64, load=args.load_value,
                                horizon=80, refresh_steps=10, seed=seed)
@@ -84,13 +95,18 @@ def cmd_plot(args: argparse.Namespace) -> None:
     import matplotlib.pyplot as plt
 
     runs: dict[int, list[dict]] = defaultdict(list)
+    cells = set()
     for text in args.json.read_text().splitlines():
         line = json.loads(text)
         runs[line["requests"]].append(line)
+        cells.add((line["trace"], line["workers"], line["load"]))
+    if len(cells) != 1:
+        raise SystemExit(f"{args.json} holds {len(cells)} (trace, G, load) cells: "
+                         f"{sorted(cells)}; plot one at a time")
     fig, (ratio_ax, load_ax) = plt.subplots(1, 2, figsize=(11, 4))
     middle = (np.arange(PARTS) + 0.5) / PARTS
-    for (requests, lines), color in zip(sorted(runs.items()), ("C0", "C1", "C2", "C3"),
-                                        strict=False):
+    for number, (requests, lines) in enumerate(sorted(runs.items())):
+        color = f"C{number % 10}"
         # steps from the start: the tenths of a longer run are longer
         x = middle * np.mean([line["br0"]["window_steps"] for line in lines]) / 1000
         brh = np.array([line["brh-oracle"]["imbalance"] for line in lines])

@@ -60,6 +60,21 @@ def test_columns_answer_what_items_answer(client, estimator):
         assert columns["columns"]["support"][2] == 3
 
 
+def test_both_layouts_answer_the_documented_fields_in_order(client):
+    """The answer's item objects and columns carry exactly the fields of the response
+    models (the OpenAPI schema), in their order: the answer is built by hand, not by them."""
+    from predictor.schemas import ContributionColumnsOut, ContributionOut
+
+    by_items = client.post("/v1/contributions", json={"horizon": 40, "items": ITEMS}).json()
+    by_columns = client.post("/v1/contributions",
+                             json={"horizon": 40, "columns": as_columns(ITEMS)}).json()
+    for item in by_items["items"]:
+        assert list(item) == list(ContributionOut.model_fields)
+        ContributionOut.model_validate(item, strict=True)
+    assert list(by_columns["columns"]) == list(ContributionColumnsOut.model_fields)
+    ContributionColumnsOut.model_validate(by_columns["columns"], strict=True)
+
+
 def test_columns_may_leave_out_optional_fields(client):
     bare = client.post("/v1/contributions", json={"columns": {
         "request_id": ["a", "b"], "generated_tokens": [0, 7]}})

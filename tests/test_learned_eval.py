@@ -53,3 +53,23 @@ def test_learned_eval_several_fleet_sizes_and_a_variant(tmp_path):
     g8 = {r["policy"]: r for r in line["rows"] if r["workers"] == 8}
     ratio = g8["brh-oracle"]["throughput_tok_s"] / g8["br0"]["throughput_tok_s"]
     assert f"| {ratio:.4f} (" in table.splitlines()[-1]
+
+
+def test_gap_closed_says_how_many_replicates_it_rests_on(tmp_path):
+    """A replicate where the oracle's imbalance is not below BR-0's has no gap: it is left
+    out of "gap closed", and the cell says on how many of its replicates the figure rests."""
+    def row(policy, imbalance):
+        return {"policy": policy, "workers": 8, "imbalance_maxmin_mean": imbalance,
+                "throughput_tok_s": 100.0}
+
+    lines = [{"cell": "tpl:1.0", "seed": 1, "rows": [row("br0", 10.0), row("brh-x", 8.0),
+                                                     row("brh-oracle", 6.0)]},
+             {"cell": "tpl:1.0", "seed": 2, "rows": [row("br0", 10.0), row("brh-x", 9.0),
+                                                     row("brh-oracle", 11.0)]}]
+    out = tmp_path / "rows.jsonl"
+    out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    table = subprocess.run([*TOOL, "table", "--json", str(out)], check=True,
+                           capture_output=True, text=True, cwd=ROOT).stdout
+    x = next(line for line in table.splitlines() if "| brh-x |" in line)
+    assert x.split(" | ")[1] == "2"
+    assert x.rstrip(" |").endswith("0.50 (0.50..0.50; 1 of 2)")  # (10 - 8) / (10 - 6)

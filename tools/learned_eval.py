@@ -114,9 +114,12 @@ def table(args: argparse.Namespace) -> None:
         for policy in runs[0]:
             a = np.array([r[policy] for r in runs])
             gaps = a[:, 2][~np.isnan(a[:, 2])]
+            # a replicate where the oracle is not below BR-0 has no gap to close: left out,
+            # and the count says how many replicates the figure rests on
+            part = f"; {gaps.size} of {len(runs)}" if 0 < gaps.size < len(runs) else ""
             closed = ("1" if policy == "brh-oracle" else "n/a (oracle not below BR-0)"
                       if gaps.size == 0 else
-                      f"{gaps.mean():.2f} ({gaps.min():.2f}..{gaps.max():.2f})")
+                      f"{gaps.mean():.2f} ({gaps.min():.2f}..{gaps.max():.2f}{part})")
             print(f"| {cell} | {len(runs)} | {policy} | {a[:, 0].mean():.3f} "
                   f"({a[:, 0].min():.3f}..{a[:, 0].max():.3f}) | {a[:, 1].mean():.4f} "
                   f"({a[:, 1].min():.4f}..{a[:, 1].max():.4f}) | {closed} |")

@@ -45,6 +45,13 @@ INTEGER_PARAMS = {"n", "seed", "templates", "max_output"}
 
 def parse_spec(spec: str) -> tuple[str, dict[str, float]]:
     """``synth:NAME[:k=v,...]`` -> (name, parameters with defaults filled in)."""
+    name, params, _ = _parse(spec)
+    return name, params
+
+
+def _parse(spec: str) -> tuple[str, dict[str, float], set[str]]:
+    """:func:`parse_spec`, and the parameters the spec sets itself (not left to defaults)."""
+    given: set[str] = set()
     parts = spec.split(":", 2)
     name = parts[1] if len(parts) > 1 else ""
     if name not in DEFAULTS:
@@ -65,16 +72,10 @@ def parse_spec(spec: str) -> tuple[str, dict[str, float]]:
             if key in INTEGER_PARAMS and value != int(value):
                 raise TraceError(spec, f"parameter {key} must be an integer, got {raw!r}")
             params[key] = value
+            given.add(key)
     if params["n"] < 1:
         raise TraceError(spec, "parameter n must be >= 1")
-    return name, params
-
-
-def _gives_n(spec: str) -> bool:
-    """Whether the spec sets ``n`` itself (``synth:long:n=5000``), not the default."""
-    parts = spec.split(":", 2)
-    return len(parts) == 3 and any(item.partition("=")[0].strip() == "n"
-                                   for item in parts[2].split(","))
+    return name, params, given
 
 
 def _lognormal(rng: np.random.Generator, mean: float, sigma: float, size: int) -> np.ndarray:
@@ -83,14 +84,14 @@ def _lognormal(rng: np.random.Generator, mean: float, sigma: float, size: int) -
 
 
 def synthesize(spec: str, requests: int | None = None) -> Trace:
-    name, params = parse_spec(spec)
+    name, params, given = _parse(spec)
     n = int(params["n"])
     if requests is not None:
         if requests < 1:
             raise TraceError(spec, "--requests must be at least 1")
         # N requests asked of a workload whose n is left to its default: N of them (the
         # default does not cap them); of one that gives n: at most n
-        n = min(n, requests) if _gives_n(spec) else requests
+        n = min(n, requests) if "n" in given else requests
     rng = np.random.default_rng(int(params["seed"]))
     arrivals = np.cumsum(rng.exponential(1.0, n))
     keys: list[str | None] = [None] * n

@@ -14,19 +14,23 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
+from pydantic import ValidationError
 from swagger_ui_bundle import swagger_ui_path
 
 from .abjobs import AbJobRunner
 from .api import ROUTERS
+from .api.contributions import answer
+from .api.contributions import router as contributions_router
 from .api.deps import token_ok
 from .metrics import Metrics, refresh_gauges
-from .schemas import CONTRIBUTIONS_IN
+from .schemas import CONTRIBUTIONS_IN, parse_contributions
 from .service import PredictorService
 from .settings import Settings
 from .store import make_engine
@@ -48,23 +52,17 @@ class BodyLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._reject(send)
         received = 0
-        chunks: list[dict] = []
+        chunks: list[bytes] = []
         while True:  # read the whole body first, so an oversized stream stores nothing
             message = await receive()
             if message["type"] != "http.request":
-                chunks.append(message)
-                break
+                return await self.app(scope, _replay(chunks, message, receive), send)
             received += len(message.get("body", b""))
             if received > self.limit:
                 return await self._reject(send)
-            chunks.append(message)
+            chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
-                break
-
-        async def replay():
-            return chunks.pop(0) if chunks else await receive()
-
-        return await self.app(scope, replay, send)
+                return await self.app(scope, _replay(chunks, None, receive), send)
 
     async def _reject(self, send) -> None:
         body = json.dumps({"detail": f"request body over the limit of {self.limit} bytes"})
@@ -138,6 +136,62 @@ class RequestMetrics:
             observe()
 
 
+class ContributionsFastPath:
+    """ASGI middleware: ``POST /v1/contributions`` answered straight from its handler, past
+    FastAPI's exception, routing and dependency layers (the hot path, asked every few decode
+    steps: 0.4-0.7 ms of a 1,024-item call). Only a success is answered here: a body that does
+    not validate, or a query the handler refuses (413, 422), goes the regular way with its
+    bytes replayed, so its error is exactly the route's; an unexpected error reaches the app's
+    handler (503) as it would from the route. Inside :class:`BodyLimit` and the request
+    metrics, which label it as the route."""
+
+    PATH = "/v1/contributions"
+
+    def __init__(self, app, state) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.PATH:
+            return await self.app(scope, receive, send)
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay(chunks, message, receive), send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        raw = b"".join(chunks)
+        try:
+            body = parse_contributions(raw)
+            client = scope.get("client")
+            response = await run_in_threadpool(answer, body, self.state.service,
+                                               self.state.metrics, client[0] if client else "")
+        except (ValidationError, RequestValidationError, HTTPException):
+            return await self.app(scope, _replay([raw], None, receive), send)
+        scope["route"] = CONTRIBUTIONS_ROUTE  # the request metrics' label, as routed
+        await response(scope, receive, send)
+
+
+CONTRIBUTIONS_ROUTE = contributions_router.routes[0]
+
+
+def _replay(chunks: list[bytes], last: dict | None, receive):
+    """An ASGI ``receive`` that gives the body read so far, ``chunks``, as one message, then
+    ``last`` (the message that cut the body short, a disconnect) if any, then defers to
+    ``receive``."""
+    pending: list[dict] = [{"type": "http.request", "body": b"".join(chunks),
+                            "more_body": last is not None}]
+    if last is not None:
+        pending.append(last)
+
+    async def replay():
+        return pending.pop(0) if pending else await receive()
+
+    return replay
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     engine = make_engine(settings.database_url)
@@ -179,6 +233,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.ab_jobs = AbJobRunner(service.sessions, settings.max_queued_jobs,
                                     on_tuned=lambda advice: setattr(service, "recommendation",
                                                                     advice))
+    app.add_middleware(ContributionsFastPath, state=app.state)  # innermost: after the limits
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(TokenGate, token=settings.api_token)  # outside BodyLimit: checked first
 

@@ -6,7 +6,9 @@ first right after the ingestion (``in_process``: the hazard model's fits of the 
 still run on their thread), then once they are done (``in_process_fits_done``).
 Over HTTP: the same query as JSON to a real uvicorn server on 127.0.0.1, one persistent
 connection, as ``items`` (``http``) and as ``columns`` (``http_columns``, what
-:class:`router_client.http_predictor.HttpPredictor` sends), alternated call by call.
+:class:`router_client.http_predictor.HttpPredictor` sends), alternated call by call: first right
+after the ingestion below (the server's fits of those batches running), then once they are
+done (``http_fits_done``, ``http_columns_fits_done``; ``/v1/status`` says ``fitting``).
 Ingestion: batches of 1000 observations posted over HTTP, each answered only after its SQLite
 commit.
 """
@@ -90,6 +92,11 @@ def bench_predictor(items: int = 1024, rounds: int = 300, ingest_batches: int = 
             both = _contributions_latencies(client, [body, columnar], rounds)
             result["http"], result["http_columns"] = (_percentiles(both[0::2]),
                                                       _percentiles(both[1::2]))
+            # again once the server's fits of those batches are done, as in process
+            result["http_fits_wait_s"] = _wait_for_fits(client)
+            both = _contributions_latencies(client, [body, columnar], rounds)
+            result["http_fits_done"], result["http_columns_fits_done"] = (
+                _percentiles(both[0::2]), _percentiles(both[1::2]))
             result.update(_contributions_while_ingesting(client, base, rounds))
     return result
 
@@ -102,6 +109,17 @@ def _in_process_latencies(service: PredictorService, generated: np.ndarray, keys
         service.contributions(Features.of(generated, keys), 80)
         times.append(time.perf_counter() - t0)
     return _percentiles(times)
+
+
+def _wait_for_fits(client, timeout_s: float = 300.0) -> float:
+    """Poll ``/v1/status`` until the service has no model fit queued or running; the seconds
+    waited (``TimeoutError`` past ``timeout_s``)."""
+    started = time.perf_counter()
+    while client.get("/v1/status").json()["fitting"]:
+        if time.perf_counter() - started > timeout_s:
+            raise TimeoutError(f"the service still fitting after {timeout_s:.0f} s")
+        time.sleep(0.2)
+    return round(time.perf_counter() - started, 1)
 
 
 ONE_ITEM = {"horizon": 80, "items": [{"request_id": "one", "prompt_key": "k",

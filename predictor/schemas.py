@@ -269,6 +269,8 @@ class StatusOut(BaseModel):
     auto_estimator: str = Field(description="the estimator that answers `auto`")
     recommendation: Recommendation | None = Field(
         description="which policy routers should run, from the newest tuning (null: none yet)")
+    fitting: bool = Field(description="a model fit (the hazard model's, on newly learned "
+                          "batches) is queued or running; queries are slower meanwhile")
 
 
 class ReliabilityBin(BaseModel):

@@ -62,6 +62,7 @@ class PredictorService:
         self.fitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-fit")
         self._fit_state = threading.Lock()
         self._fit_queued = False
+        self._fit_running = False
         self.started = time.monotonic()
         self.loaded = False
         self.recommendation: dict | None = None  # from the newest done tuning
@@ -335,11 +336,21 @@ class PredictorService:
 
     def _run_fits(self) -> None:
         with self._fit_state:
-            self._fit_queued = False
+            self._fit_queued, self._fit_running = False, True
         try:
             self._fit_deferred()
         except Exception:  # a failed fit keeps the previous model; the service goes on
             log.exception("a deferred model fit failed")
+        finally:
+            with self._fit_state:
+                self._fit_running = False
+
+    @property
+    def fitting(self) -> bool:
+        """A model fit is queued or running (on the fitter thread, sharing the interpreter
+        with queries: their latency is higher meanwhile)."""
+        with self._fit_state:
+            return self._fit_queued or self._fit_running
 
     def wait_for_fits(self) -> None:
         """Block until the fits scheduled so far are done (tests, benchmarks)."""
@@ -424,7 +435,7 @@ class PredictorService:
             estimate = self.estimators[name].predict(features, horizon)
             if estimator == "auto":
                 self.auto_queries += len(features)
-                self.auto_hits += sum(1 for source in estimate.source if source == name)
+                self.auto_hits += estimate.source.count(name)
             return ContributionAnswer(estimate, self.model_version, self.drift.drifted)
 
     def record(self, request_ids: list[str], features: Features, horizon: int,

@@ -23,7 +23,8 @@ def status(service: ServiceDep) -> StatusOut:
     return StatusOut(model_version=service.model_version, observations=service.observations,
                      buckets=service.buckets, drifted=service.drift.drifted,
                      uptime_s=round(service.uptime_s, 3), estimators=list(service.estimators),
-                     auto_estimator=service.auto, recommendation=service.recommendation)
+                     auto_estimator=service.auto, recommendation=service.recommendation,
+                     fitting=service.fitting)
 
 
 @router.get("/healthz", response_model=HealthOut)

@@ -135,9 +135,10 @@ def test_bench_predictor_small_reports_queries_while_ingesting(tmp_path):
     assert main(["bench", "predictor", "--items", "16", "--rounds", "20",
                  "--json", str(path)]) == 0
     result = json.loads(path.read_text())
-    for part in ("in_process", "in_process_fits_done", "http", "http_columns", "one_item_http",
-                 "one_item_http_while_ingesting"):
+    for part in ("in_process", "in_process_fits_done", "http", "http_columns", "http_fits_done",
+                 "http_columns_fits_done", "one_item_http", "one_item_http_while_ingesting"):
         assert result[part]["p99_ms"] >= result[part]["p50_ms"] > 0, part
+    assert result["http_fits_wait_s"] >= 0
     assert result["ingested_meanwhile"] >= 1000  # the writer really ran during the queries
 
 

@@ -367,3 +367,19 @@ def test_restart_replays_only_what_the_learners_keep(database_url):
     assert after == before
     for key in ("model_version", "observations", "buckets"):
         assert status_after[key] == status_before[key]
+
+
+def test_status_says_when_a_model_fit_is_queued_or_running(client):
+    """``fitting`` while the fitter thread has a fit queued (held back here behind a task that
+    waits) or running; false once it is done."""
+    import threading
+
+    service = client.app.state.service
+    assert client.get("/v1/status").json()["fitting"] is False
+    release = threading.Event()
+    service.fitter.submit(release.wait)  # the fitter's one thread busy: the fit waits
+    service._schedule_fits()
+    assert client.get("/v1/status").json()["fitting"] is True
+    release.set()
+    service.wait_for_fits()
+    assert client.get("/v1/status").json()["fitting"] is False

@@ -109,7 +109,7 @@ class RequestMetrics:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         started = time.perf_counter()
-        status = 500
+        status = 503  # an error that escapes: the app's handler answers it with 503
         observed = False
 
         def observe() -> None:
@@ -163,6 +163,8 @@ class ContributionsFastPath:
             if not message.get("more_body", False):
                 break
         raw = b"".join(chunks)
+        scope["route"] = CONTRIBUTIONS_ROUTE  # the request metrics' label, as routed, even
+        # for an unexpected error (the router sets it again where the route answers)
         try:
             body = parse_contributions(raw)
             client = scope.get("client")
@@ -170,7 +172,6 @@ class ContributionsFastPath:
                                                self.state.metrics, client[0] if client else "")
         except (ValidationError, RequestValidationError, HTTPException):
             return await self.app(scope, _replay([raw], None, receive), send)
-        scope["route"] = CONTRIBUTIONS_ROUTE  # the request metrics' label, as routed
         await response(scope, receive, send)
 
 

@@ -71,6 +71,28 @@ def test_the_fast_path_answers_as_the_route(tmp_path):
     assert 'status="422"' in metrics and "unmatched" not in metrics
 
 
+def test_an_unexpected_error_is_the_apps_503_either_way(tmp_path, monkeypatch):
+    """A failure inside the answer: the app's 503 (not a 500), with and without the fast
+    path, counted under the route's label and as the 503 it is, both ways."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("a learner failed")
+
+    answers, metrics = [], []
+    for name, build in (("fast", create_app), ("slow", lambda c: without_fast_path(
+            create_app(c)))):
+        with TestClient(build(settings(tmp_path / f"{name}.db")),
+                        raise_server_exceptions=False) as client:
+            monkeypatch.setattr(client.app.state.service, "contributions", broken)
+            got = client.post("/v1/contributions", content=orjson.dumps(QUERIES[0]))
+            answers.append((got.status_code, got.content))
+            metrics.append([line for line in client.get("/metrics").text.splitlines()
+                            if line.startswith("balanceroute_http_requests_total{")
+                            and "/metrics" not in line])
+    assert answers[0] == answers[1] and answers[0][0] == 503
+    assert metrics[0] == metrics[1] and len(metrics[0]) == 1
+    assert 'endpoint="/v1/contributions",method="POST",status="503"' in metrics[0][0]
+
+
 def test_only_a_success_is_answered_past_the_router(tmp_path):
     """A valid query never reaches the app behind; a refused one reaches it with its body
     replayed whole; other paths and methods go straight through."""
@@ -86,13 +108,17 @@ def test_only_a_success_is_answered_past_the_router(tmp_path):
         await send({"type": "http.response.start", "status": 418, "headers": []})
         await send({"type": "http.response.body", "body": b"behind"})
 
+    callers: list[str] = []
+    record = service.record
+    service.record = lambda *args: callers.append(args[-1]) or record(*args)  # type: ignore
     fast = ContributionsFastPath(app_behind, SimpleNamespace(service=service, metrics=Metrics()))
-    client = TestClient(fast)  # no lifespan: the app behind speaks HTTP only
+    client = TestClient(fast, client=("10.1.2.3", 5000))  # no lifespan: HTTP only behind
     for query in QUERIES:
         answer = client.post("/v1/contributions", content=orjson.dumps(query))
         assert answer.status_code == 200
         assert answer.json()["horizon"] == query.get("horizon", 80)
     assert behind == []
+    assert callers == ["10.1.2.3"] * len(QUERIES)  # the calibration sample knows the caller
     refused = orjson.dumps({"items": ITEMS * 3})  # over the limit: the route's 413
     assert client.post("/v1/contributions", content=refused).status_code == 418
     assert client.post("/v1/observations", content=b"{}").status_code == 418

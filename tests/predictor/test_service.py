@@ -371,15 +371,20 @@ def test_restart_replays_only_what_the_learners_keep(database_url):
 
 def test_status_says_when_a_model_fit_is_queued_or_running(client):
     """``fitting`` while the fitter thread has a fit queued (held back here behind a task that
-    waits) or running; false once it is done."""
+    waits) or running (one that waits too); false once it is done."""
     import threading
 
     service = client.app.state.service
     assert client.get("/v1/status").json()["fitting"] is False
-    release = threading.Event()
+    release, running, fit_goes_on = threading.Event(), threading.Event(), threading.Event()
     service.fitter.submit(release.wait)  # the fitter's one thread busy: the fit waits
     service._schedule_fits()
-    assert client.get("/v1/status").json()["fitting"] is True
+    assert client.get("/v1/status").json()["fitting"] is True  # queued
+    service._fit_deferred = lambda: (running.set(), fit_goes_on.wait())  # a fit that runs on
     release.set()
+    assert running.wait(timeout=10)
+    assert not service._fit_queued  # no longer queued, but running
+    assert client.get("/v1/status").json()["fitting"] is True
+    fit_goes_on.set()
     service.wait_for_fits()
     assert client.get("/v1/status").json()["fitting"] is False

@@ -19,7 +19,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 from swagger_ui_bundle import swagger_ui_path
@@ -143,7 +143,8 @@ class ContributionsFastPath:
     not validate, or a query the handler refuses (413, 422), goes the regular way with its
     bytes replayed, so its error is exactly the route's; an unexpected error reaches the app's
     handler (503) as it would from the route. Inside :class:`BodyLimit` and the request
-    metrics, which label it as the route."""
+    metrics, which label it as the route. A small query is answered on the event loop itself
+    while the learners are free (:data:`INLINE_ITEMS`), any other on the thread pool."""
 
     PATH = "/v1/contributions"
 
@@ -168,14 +169,42 @@ class ContributionsFastPath:
         try:
             body = parse_contributions(raw)
             client = scope.get("client")
-            response = await run_in_threadpool(answer, body, self.state.service,
-                                               self.state.metrics, client[0] if client else "")
+            arguments = (body, self.state.service, self.state.metrics,
+                         client[0] if client else "")
+            response = (_answer_if_free(*arguments) if _items(body) <= INLINE_ITEMS else None)
+            if response is None:
+                response = await run_in_threadpool(answer, *arguments)
         except (ValidationError, RequestValidationError, HTTPException):
             return await self.app(scope, _replay([raw], None, receive), send)
         await response(scope, receive, send)
 
 
 CONTRIBUTIONS_ROUTE = contributions_router.routes[0]
+# A query of at most this many requests is answered on the event loop itself when the
+# learners are free (no hop to the thread pool and back: about a fifth of a small query's time
+# in the service); a larger one, or one that comes while an ingestion or a fit holds the
+# learners, on the thread pool, so that the loop never waits on the lock or on a long answer
+# (2,048 requests: about 3 ms here).
+INLINE_ITEMS = 2048
+
+
+def _items(body) -> int:
+    """The requests a contributions query asks about (the larger layout if it gives both:
+    the answer refuses that anyway)."""
+    columns = body.get("columns")
+    return max(len(body.get("items") or ()),
+               len(columns["request_id"]) if columns is not None else 0)
+
+
+def _answer_if_free(body, service: PredictorService, metrics: Metrics,
+                    caller: str) -> Response | None:
+    """:func:`answer`, where the learners' lock is free at once; None where it is held."""
+    if not service.lock.acquire(blocking=False):
+        return None
+    try:
+        return answer(body, service, metrics, caller)
+    finally:
+        service.lock.release()
 
 
 def _replay(chunks: list[bytes], last: dict | None, receive):

@@ -195,3 +195,16 @@ def test_peer_sample_draws_as_the_peer_does(tmp_path):
     assert main(["ab", "--trace", "synth:long:n=300,seed=3", "--sample", "500", "--peer",
                  "--workers", "2", "--policies", "br0", "--quiet", "--json", str(out)]) == 0
     assert [r["requests"] for r in json.loads(out.read_text())] == [500]
+
+
+def test_serve_logs_each_request_only_when_asked(tmp_path, monkeypatch):
+    """uvicorn's access log (a line per query) is off unless ``--access-log`` is given."""
+    import uvicorn
+
+    calls: list[dict] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append(kwargs))
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    assert main(["serve", "--database-url", url, "--port", "9"]) == 0
+    assert main(["serve", "--database-url", url, "--port", "9", "--access-log"]) == 0
+    assert [c["access_log"] for c in calls] == [False, True]
+    assert calls[0]["port"] == 9 and calls[0]["log_level"] == "info"

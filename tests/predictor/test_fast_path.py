@@ -141,3 +141,48 @@ def test_replay_gives_the_body_read_then_what_cut_it_short(last):
     first, second = asyncio.run(run())
     assert first == {"type": "http.request", "body": b"abcd", "more_body": last is not None}
     assert second == last
+
+
+def test_small_queries_are_answered_on_the_loop_while_the_learners_are_free(tmp_path,
+                                                                            monkeypatch):
+    """Up to ``INLINE_ITEMS`` requests, with the learners' lock free: answered on the event
+    loop's own thread; a larger query, or one that comes while an ingestion holds the lock,
+    on a worker thread (the loop never waits on the lock), with the same answer."""
+    import threading
+    import time
+
+    import predictor.app as app_module
+
+    service = PredictorService(settings(tmp_path / "s.db"), make_engine(
+        f"sqlite:///{tmp_path / 's.db'}"))
+    service.load()
+    service.ingest(OBSERVATIONS)
+    threads: list[str] = []
+    contributions = service.contributions
+    monkeypatch.setattr(service, "contributions", lambda *args: (
+        threads.append(threading.current_thread().name), contributions(*args))[1])
+    client = TestClient(ContributionsFastPath(None, SimpleNamespace(service=service,
+                                                                    metrics=Metrics())))
+    query = orjson.dumps({"horizon": 40, "items": ITEMS})
+    inline = client.post("/v1/contributions", content=query)
+    monkeypatch.setattr(app_module, "INLINE_ITEMS", len(ITEMS) - 1)
+    pooled = client.post("/v1/contributions", content=query)
+    monkeypatch.setattr(app_module, "INLINE_ITEMS", len(ITEMS))
+    held = threading.Event()
+
+    def ingestion() -> None:  # holds the learners' lock for a while
+        with service.lock:
+            held.set()
+            time.sleep(0.3)
+
+    holder = threading.Thread(target=ingestion)
+    holder.start()
+    assert held.wait(timeout=10)
+    waited = client.post("/v1/contributions", content=query)
+    holder.join()
+    assert inline.content == pooled.content == waited.content
+    assert inline.status_code == 200
+    loop, *workers = threads
+    assert not loop.startswith("AnyIO worker")
+    assert all(name.startswith("AnyIO worker") for name in workers) and len(workers) == 2
+    service.engine.dispose()

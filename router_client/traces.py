@@ -11,9 +11,11 @@ Formats (``--format auto`` detects them from the path and the first line):
             timestamps are quantized (about 3 s), so requests that share one are spread evenly
             over the gap to the next; outputs of exactly 2000 are censored; the prompt key is
             the conversation: the xxh3_64 of the first two ``hash_ids`` (block 0 is a system
-            prompt shared by all; block 1 starts the conversation, and later turns extend it).
+            prompt shared by all; block 1 starts the conversation, and later turns extend it);
+            records with ``output_length`` 0 are left out.
   sharegpt  CSV ``num_prefill_tokens,num_decode_tokens,...``, no times (arrivals are generated
-            when replaying); outputs of 1024 are censored.
+            when replaying); outputs of 1024 are censored; rows with 0 decode tokens are left
+            out.
   burstgpt  CSV ``Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type``
             (seconds); failed requests (0 response tokens) are left out; requests sharing a
             second are spread over the gap to the next.
@@ -276,21 +278,27 @@ def load_mooncake(source: str, text: str) -> Trace:
         is_number = isinstance(stamp, int | float) and not isinstance(stamp, bool)
         if not is_number or not math.isfinite(stamp):
             raise TraceFormatError(source, line, f"timestamp must be a number, got {stamp!r}")
-        stamps.append(float(stamp) / 1000.0)
-        prompts.append(_int_field(source, line, "input_length", obj["input_length"], 0))
-        outputs.append(_int_field(source, line, "output_length", obj["output_length"], 1))
+        prompt = _int_field(source, line, "input_length", obj["input_length"], 0)
+        output = _int_field(source, line, "output_length", obj["output_length"], 0)
         hash_ids = obj.get("hash_ids")
-        if hash_ids is None:
-            keys.append(None)
-        elif isinstance(hash_ids, list) and all(
-            isinstance(h, int) and not isinstance(h, bool) for h in hash_ids
-        ):
-            keys.append(xxhash.xxh3_64_hexdigest(repr(hash_ids[:2]).encode()) if hash_ids else None)
-        else:
-            raise TraceFormatError(source, line, "hash_ids must be a list of integers")
+        if output == 0:  # nothing to decode: never reaches a decode worker
+            _check_hash_ids(source, line, hash_ids)
+            continue
+        stamps.append(float(stamp) / 1000.0)
+        prompts.append(prompt)
+        outputs.append(output)
+        _check_hash_ids(source, line, hash_ids)
+        keys.append(xxhash.xxh3_64_hexdigest(repr(hash_ids[:2]).encode()) if hash_ids else None)
     _check_sorted(source, stamps)
     return _build(source, prompts, outputs, [o == MOONCAKE_CAP for o in outputs], keys,
                   spread_quantized(stamps))
+
+
+def _check_hash_ids(source: str, line: int, hash_ids: object) -> None:
+    """``hash_ids`` is absent (None) or a list of integers (else a TraceFormatError)."""
+    if hash_ids is not None and not (isinstance(hash_ids, list) and all(
+            isinstance(h, int) and not isinstance(h, bool) for h in hash_ids)):
+        raise TraceFormatError(source, line, "hash_ids must be a list of integers")
 
 
 def spread_quantized(stamps: list[float]) -> list[float]:
@@ -318,8 +326,12 @@ def load_sharegpt(source: str, text: str) -> Trace:
         if not values:
             continue
         row = _row(source, line, header, values)
-        prompts.append(_int_field(source, line, "num_prefill_tokens", row["num_prefill_tokens"], 0))
-        outputs.append(_int_field(source, line, "num_decode_tokens", row["num_decode_tokens"], 1))
+        prompt = _int_field(source, line, "num_prefill_tokens", row["num_prefill_tokens"], 0)
+        output = _int_field(source, line, "num_decode_tokens", row["num_decode_tokens"], 0)
+        if output == 0:
+            continue  # nothing to decode
+        prompts.append(prompt)
+        outputs.append(output)
     return _build(source, prompts, outputs, [o == SHAREGPT_CAP for o in outputs],
                   [None] * len(prompts), None)
 
@@ -510,7 +522,11 @@ def _mooncake_request(line: object) -> tuple[bool, object]:
         obj = json.loads(text)
     except json.JSONDecodeError:
         return True, _UNREADABLE  # the full parse names the problem
-    stamp = obj.get("timestamp") if isinstance(obj, dict) else None
+    if not isinstance(obj, dict):
+        return True, _UNREADABLE
+    if _is_zero(obj.get("output_length")):
+        return False, None  # left out, as the full parse leaves it out
+    stamp = obj.get("timestamp")
     return True, _UNREADABLE if stamp is None else stamp
 
 
@@ -522,6 +538,8 @@ def _csv_request(fmt: str, header: list[str], values: object) -> tuple[bool, obj
     row = dict(zip(header, (str(v).strip() for v in values), strict=False))  # type: ignore
     if fmt == "azure":
         return not _is_zero(row.get("GeneratedTokens")), None
+    if fmt == "sharegpt":
+        return not _is_zero(row.get("num_decode_tokens")), None
     if fmt == "burstgpt":
         if _is_zero(row.get("Response tokens")):
             return False, None
@@ -535,8 +553,14 @@ def _csv_request(fmt: str, header: list[str], values: object) -> tuple[bool, obj
 _UNREADABLE = object()  # a record the quick read cannot place: never equal to a timestamp
 
 
-def _is_zero(value: str | None) -> bool:
+def _is_zero(value: object) -> bool:
+    """A count of 0 as :func:`_int_field` reads it (``0``, ``0.0``, ``"00"``; not ``False``
+    nor ``"0.0"``, which it refuses): a row the loaders leave out."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | float):
+        return value == 0
     try:
-        return value is not None and int(value) == 0
+        return isinstance(value, str) and int(value) == 0
     except ValueError:
         return False

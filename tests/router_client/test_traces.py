@@ -1,4 +1,5 @@
 import functools
+import json
 import warnings
 from pathlib import Path
 
@@ -287,6 +288,38 @@ def test_azure_rows_without_output_are_left_out(tmp_path):
     assert load_trace(str(path), "azure", 2).prompt_tokens.tolist() == [20, 40]
     with pytest.raises(TraceFormatError, match="GeneratedTokens must be >= 0"):
         parse_trace(text + "2024-05-10 00:00:06+00:00,1,-2\n", "azure", "a.csv")
+
+
+def test_mooncake_and_sharegpt_records_without_output_are_left_out(tmp_path):
+    """As Azure's and BurstGPT's: a record with no output token (nothing to decode) is not a
+    request of the replay, whole file and ``--requests`` read alike (where the quick read
+    counts requests, a left-out record does not count); a negative count is still an error,
+    and a file of such records only has no request to replay."""
+    mooncake = "".join(json.dumps({"timestamp": t, "input_length": p, "output_length": o,
+                                   "hash_ids": [1, p]}) + "\n"
+                       for t, p, o in ((0, 10, 0), (3000, 20, 3), (3000, 30, 0.0),
+                                       (6000, 40, 4), (9000, 50, 5)))
+    trace = parse_trace(mooncake, "auto", "m.jsonl")
+    assert trace.prompt_tokens.tolist() == [20, 40, 50]
+    path = tmp_path / "m.jsonl"
+    path.write_text(mooncake)
+    assert load_trace(str(path), "auto", 1).prompt_tokens.tolist() == [20]
+    assert load_trace(str(path), "mooncake", 2).prompt_tokens.tolist() == [20, 40]
+    with pytest.raises(TraceFormatError, match="output_length must be >= 0"):
+        parse_trace(mooncake.replace('"output_length": 4', '"output_length": -4'), "mooncake",
+                    "m.jsonl")
+    with pytest.raises(TraceFormatError, match="hash_ids"):  # checked on a left-out record too
+        parse_trace(mooncake.replace('[1, 10]', '"x"'), "mooncake", "m.jsonl")
+    sharegpt = "num_prefill_tokens,num_decode_tokens\n10,0\n20,3\n30,00\n40,4\n"
+    assert parse_trace(sharegpt, "sharegpt", "s.csv").prompt_tokens.tolist() == [20, 40]
+    path = tmp_path / "s.csv"
+    path.write_text(sharegpt)
+    assert load_trace(str(path), "sharegpt", 1).prompt_tokens.tolist() == [20]
+    assert load_trace(str(path), "sharegpt", 2).prompt_tokens.tolist() == [20, 40]
+    with pytest.raises(TraceFormatError, match="num_decode_tokens must be >= 0"):
+        parse_trace(sharegpt + "5,-1\n", "sharegpt", "s.csv")
+    with pytest.raises(TraceError):
+        parse_trace("num_prefill_tokens,num_decode_tokens\n10,0\n", "sharegpt", "s.csv")
 
 
 @pytest.mark.parametrize("name, text", [

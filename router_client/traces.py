@@ -172,7 +172,8 @@ def _build(
     arrivals: list[float] | None,
 ) -> Trace:
     if not prompts:
-        raise TraceError(name, "the trace has no requests")
+        raise TraceError(name, "the trace has no requests (records with no output token are "
+                               "left out: nothing to decode)")
     arrival = None
     if arrivals is not None:
         arrival = np.asarray(arrivals, dtype=np.float64)

@@ -282,13 +282,12 @@ def load_mooncake(source: str, text: str) -> Trace:
         prompt = _int_field(source, line, "input_length", obj["input_length"], 0)
         output = _int_field(source, line, "output_length", obj["output_length"], 0)
         hash_ids = obj.get("hash_ids")
+        _check_hash_ids(source, line, hash_ids)  # a left-out record's too
         if output == 0:  # nothing to decode: never reaches a decode worker
-            _check_hash_ids(source, line, hash_ids)
             continue
         stamps.append(float(stamp) / 1000.0)
         prompts.append(prompt)
         outputs.append(output)
-        _check_hash_ids(source, line, hash_ids)
         keys.append(xxhash.xxh3_64_hexdigest(repr(hash_ids[:2]).encode()) if hash_ids else None)
     _check_sorted(source, stamps)
     return _build(source, prompts, outputs, [o == MOONCAKE_CAP for o in outputs], keys,

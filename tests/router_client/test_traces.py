@@ -274,6 +274,13 @@ def test_burstgpt_malformed_rows_name_the_line(row, fragment):
     assert caught.value.line == 9
 
 
+def head_prompts(path: Path, text: str, *reads: tuple[str, int]) -> list[list[int]]:
+    """``text`` written to ``path``, then read with ``--requests``: the prompt sizes of each
+    (format, N) read."""
+    path.write_text(text)
+    return [load_trace(str(path), fmt, n).prompt_tokens.tolist() for fmt, n in reads]
+
+
 def test_azure_rows_without_output_are_left_out(tmp_path):
     """A row with 0 generated tokens (nothing to decode) is not a request of the replay, in a
     whole-file read and in a ``--requests`` read alike; a negative count is still an error."""
@@ -282,10 +289,7 @@ def test_azure_rows_without_output_are_left_out(tmp_path):
             "2024-05-10 00:00:05+00:00,40,4\n")
     trace = parse_trace(text, "auto", "a.csv")
     assert trace.prompt_tokens.tolist() == [20, 40] and trace.arrival_s.tolist() == [0.0, 3.0]
-    path = tmp_path / "a.csv"
-    path.write_text(text)
-    assert load_trace(str(path), "auto", 1).prompt_tokens.tolist() == [20]
-    assert load_trace(str(path), "azure", 2).prompt_tokens.tolist() == [20, 40]
+    assert head_prompts(tmp_path / "a.csv", text, ("auto", 1), ("azure", 2)) == [[20], [20, 40]]
     with pytest.raises(TraceFormatError, match="GeneratedTokens must be >= 0"):
         parse_trace(text + "2024-05-10 00:00:06+00:00,1,-2\n", "azure", "a.csv")
 
@@ -301,10 +305,8 @@ def test_mooncake_and_sharegpt_records_without_output_are_left_out(tmp_path):
                                        (6000, 40, 4), (9000, 50, 5)))
     trace = parse_trace(mooncake, "auto", "m.jsonl")
     assert trace.prompt_tokens.tolist() == [20, 40, 50]
-    path = tmp_path / "m.jsonl"
-    path.write_text(mooncake)
-    assert load_trace(str(path), "auto", 1).prompt_tokens.tolist() == [20]
-    assert load_trace(str(path), "mooncake", 2).prompt_tokens.tolist() == [20, 40]
+    assert head_prompts(tmp_path / "m.jsonl", mooncake, ("auto", 1), ("mooncake", 2)) == [
+        [20], [20, 40]]
     with pytest.raises(TraceFormatError, match="output_length must be >= 0"):
         parse_trace(mooncake.replace('"output_length": 4', '"output_length": -4'), "mooncake",
                     "m.jsonl")
@@ -312,10 +314,8 @@ def test_mooncake_and_sharegpt_records_without_output_are_left_out(tmp_path):
         parse_trace(mooncake.replace('[1, 10]', '"x"'), "mooncake", "m.jsonl")
     sharegpt = "num_prefill_tokens,num_decode_tokens\n10,0\n20,3\n30,00\n40,4\n"
     assert parse_trace(sharegpt, "sharegpt", "s.csv").prompt_tokens.tolist() == [20, 40]
-    path = tmp_path / "s.csv"
-    path.write_text(sharegpt)
-    assert load_trace(str(path), "sharegpt", 1).prompt_tokens.tolist() == [20]
-    assert load_trace(str(path), "sharegpt", 2).prompt_tokens.tolist() == [20, 40]
+    assert head_prompts(tmp_path / "s.csv", sharegpt, ("sharegpt", 1), ("sharegpt", 2)) == [
+        [20], [20, 40]]
     with pytest.raises(TraceFormatError, match="num_decode_tokens must be >= 0"):
         parse_trace(sharegpt + "5,-1\n", "sharegpt", "s.csv")
     with pytest.raises(TraceError):

@@ -294,7 +294,7 @@ class ExactMatchEstimator(BaseEstimator):
             self._since_refresh = 0
             recent = islice(reversed(self.buckets_.values()), KEYS_USED)
             held = [b.bins for b in recent if b.bins.size][::-1]  # never mutated: a snapshot
-            if self.defer_refresh:
+            if self.defer_refresh or self.defer_fits:
                 self._deferred = held
             else:
                 self._refresh(held)
@@ -311,6 +311,27 @@ class ExactMatchEstimator(BaseEstimator):
         if self._deferred is not None:
             self._refresh(self._deferred)
             self._deferred = None
+
+    # A service must not hold the lock its queries take while k is estimated (a few ms per
+    # estimate, about half of what a batch of 1,000 observations held it for): it sets
+    # ``defer_fits`` and calls :meth:`fit_deferred` after each ingested batch, as it does for
+    # the hazard model's fits. The estimate is of the newest due point's keys, as inline, so
+    # once the deferred work is done k is what it would have been (and what a restart, which
+    # estimates once from the newest due point, rebuilds); until then queries use the one
+    # before.
+    defer_fits = False
+
+    def fit_deferred(self, lock) -> bool:
+        """Estimate k if one is due: the due point's keys taken under ``lock``, the estimate
+        outside it, installed under it."""
+        with lock:
+            held, self._deferred = self._deferred, None
+        if held is None:
+            return False
+        estimate = estimate_prior_weight([b.tolist() for b in held])
+        with lock:
+            self.prior_weight_ = self.prior_weight if estimate is None else estimate
+        return True
 
     def _refresh(self, bins: list[np.ndarray]) -> None:
         estimate = estimate_prior_weight([b.tolist() for b in bins])

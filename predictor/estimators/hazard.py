@@ -240,6 +240,7 @@ class HazardEstimator(BaseEstimator):
             self.keyed_ = ExactMatchEstimator(**{"window": self.window,
                                                  **(self.key_params or {})})
             self.fallback_ = self.keyed_.fallback_  # one global curve for both
+            self.keyed_.defer_fits = self._defer_fits
         else:
             self.fallback_ = SurvivalEstimator(
                 self.window, (self.key_params or {}).get("tail_at_risk", TAIL_AT_RISK))
@@ -321,11 +322,24 @@ class HazardEstimator(BaseEstimator):
     # A service must not hold the lock its queries take during a fit (about a second): it
     # sets ``defer_fits`` and calls :meth:`fit_deferred` after each ingested batch, which fits
     # outside the lock on a snapshot taken under it. The schedule (which batch triggers a fit,
-    # on which window) is the same, so a restarted service rebuilds the same models.
-    defer_fits = False
+    # on which window) is the same, so a restarted service rebuilds the same models. The key
+    # curves' estimates of k are deferred with it (see ``ExactMatchEstimator.fit_deferred``).
+    _defer_fits = False
+
+    @property
+    def defer_fits(self) -> bool:
+        return self._defer_fits
+
+    @defer_fits.setter
+    def defer_fits(self, value: bool) -> None:
+        self._defer_fits = value
+        if self.keyed_ is not None:
+            self.keyed_.defer_fits = value
 
     def fit_deferred(self, lock) -> bool:
         """Fit if one is due: snapshot under ``lock``, fit outside it, install under it."""
+        if self.keyed_ is not None:
+            self.keyed_.fit_deferred(lock)
         with lock:
             snapshot = self._due_snapshot()
         fitted = self._fit_model(snapshot)

@@ -294,6 +294,17 @@ def test_two_replicas_on_one_database_count_duplicates_and_share_model_version(d
         service.engine.dispose()
 
 
+def _templated_rows(spec: str):
+    """A synthetic workload and its requests as observations (all ended)."""
+    from router_client.synth import synthesize
+
+    trace = synthesize(spec)
+    return trace, [{"request_id": f"o{i}", "prompt_key": trace.prompt_keys[i],
+                    "prompt_tokens": int(trace.prompt_tokens[i]),
+                    "output_tokens": int(trace.output_tokens[i]), "finish_reason": "stop"}
+                   for i in range(len(trace))]
+
+
 def test_hazard_fits_outside_the_query_lock_and_rebuilds_the_same_after_restart(tmp_path):
     import numpy as np
 
@@ -301,14 +312,9 @@ def test_hazard_fits_outside_the_query_lock_and_rebuilds_the_same_after_restart(
     from predictor.service import PredictorService
     from predictor.settings import Settings
     from predictor.store import make_engine
-    from router_client.synth import synthesize
 
     url = f"sqlite:///{tmp_path / 'hz.db'}"
-    trace = synthesize("synth:templated:n=700,seed=3")
-    rows = [{"request_id": f"h{i}", "prompt_key": trace.prompt_keys[i],
-             "prompt_tokens": int(trace.prompt_tokens[i]),
-             "output_tokens": int(trace.output_tokens[i]), "finish_reason": "stop"}
-            for i in range(len(trace))]
+    trace, rows = _templated_rows("synth:templated:n=700,seed=3")
     features = Features.of([0, 10, 50], trace.prompt_keys[:3], trace.prompt_tokens[:3])
     answers = []
     for restart in range(2):
@@ -324,6 +330,42 @@ def test_hazard_fits_outside_the_query_lock_and_rebuilds_the_same_after_restart(
         answers.append(service.contributions(features, 80, "hazard").estimate.c_hat)
         service.engine.dispose()
     np.testing.assert_array_equal(answers[0], answers[1])
+
+
+def test_k_is_estimated_off_the_query_lock_and_ends_as_estimated_inline(tmp_path):
+    """ExactMatch's k (and the hazard model's key curves' k) is estimated on the fitter
+    thread, not while an ingestion holds the lock queries take: with the fitter held back the
+    batch is learned and k is still the prior; once the deferred work runs k is the one an
+    estimator fed the same batch inline has."""
+    import threading
+
+    from predictor.estimators import Outcomes, estimator_specs
+    from predictor.service import PredictorService
+    from predictor.settings import Settings
+    from predictor.store import make_engine
+
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    trace, rows = _templated_rows("synth:templated:n=1200,seed=4")
+    settings = Settings(database_url=url)
+    service = PredictorService(settings, make_engine(url))
+    service.load()
+    exact, keyed = service.estimators["exact_match"], service.estimators["hazard"].keyed_
+    release = threading.Event()
+    service.fitter.submit(release.wait)  # the fitter's one thread busy
+    assert service.ingest(rows).accepted == 1200
+    assert len(exact.buckets_) > 10 and exact.prior_weight_ == keyed.prior_weight_ == 1.0
+    assert service.fitting
+    release.set()
+    service.wait_for_fits()
+    inline = {spec.name: spec.build(settings) for spec in estimator_specs()}
+    outcomes = Outcomes.of(trace.output_tokens, None, trace.prompt_keys, trace.prompt_tokens)
+    for estimator in inline.values():
+        estimator.partial_fit(outcomes)
+    want = inline["exact_match"].prior_weight_
+    assert want != 1.0
+    assert exact.prior_weight_ == want
+    assert keyed.prior_weight_ == inline["hazard"].keyed_.prior_weight_
+    service.engine.dispose()
 
 
 def test_restart_replays_only_what_the_learners_keep(database_url):
@@ -348,6 +390,7 @@ def test_restart_replays_only_what_the_learners_keep(database_url):
                 obs(f"r{batch}-{i}", int(rng.integers(1, 150)),
                     "length" if rng.random() < 0.2 else "stop", key=f"k{rng.choice(keys)}")
                 for i in range(100)]})
+        c.app.state.service.wait_for_fits()  # k's last estimate installed (off the lock)
         before = c.post("/v1/contributions", json=query).json()
         status_before = c.get("/v1/status").json()
         buckets = [(k, b.durations.tolist(), b.bins.tolist()) for k, b in

@@ -140,6 +140,7 @@ def _ingest(service, batches: range, seed: int = 3) -> None:
 def _answers(service) -> dict:
     from predictor.estimators import Features
 
+    service.wait_for_fits()  # k's estimates run off the lock, as the hazard model's fits do
     rng = np.random.default_rng(7)
     features = Features.of(rng.integers(0, 120, 80), [f"k{i % 40}" for i in range(80)],
                            [100] * 80)

@@ -117,32 +117,39 @@ class KeyStats:
         """(log1p(count), shrunk mean log1p(output) less the global mean ``g``, and the shrunk
         mean itself) of a key as of now: ``(sum - n * g) / (n + m0)`` is 0 for a key never
         seen (nothing known beyond ``g``)."""
-        g = self.global_mean
-        stats = self.table.get(key) if key is not None else None
-        if stats is None:
-            return 0.0, 0.0, g
-        count, ended, total = stats
-        deviation = (total - ended * g) / (ended + KEY_PRIOR)
-        return math.log1p(count), deviation, g + deviation
+        return _seen(self.table.get(key) if key is not None else None, self.global_mean)
 
-    def add(self, key: str | None, output: int, ended: bool) -> None:
-        value = float(np.log1p(output))
+    def learn(self, key: str | None, value: float, ended: bool) -> tuple[float, float, float]:
+        """The key's :meth:`features` as of now, then one more outcome of it counted, whose
+        ``log1p(output)`` is ``value`` (one lookup of the key)."""
+        g = self.global_mean
         if ended:
             self.ended += 1
             self.total += value
         if key is None:
-            return
-        stats = self.table.get(key)
+            return 0.0, 0.0, g
+        table = self.table
+        stats = table.get(key)
+        seen = _seen(stats, g)
         if stats is None:
-            stats = self.table[key] = [0.0, 0.0, 0.0]
-            if len(self.table) > self.max_keys:
-                self.table.popitem(last=False)
+            stats = table[key] = [0.0, 0.0, 0.0]
+            if len(table) > self.max_keys:
+                table.popitem(last=False)
         else:
-            self.table.move_to_end(key)
+            table.move_to_end(key)
         stats[0] += 1
         if ended:
             stats[1] += 1
             stats[2] += value
+        return seen
+
+
+def _seen(stats: list[float] | None, g: float) -> tuple[float, float, float]:
+    if stats is None:
+        return 0.0, 0.0, g
+    count, ended, total = stats
+    deviation = (total - ended * g) / (ended + KEY_PRIOR)
+    return math.log1p(count), deviation, g + deviation
 
 
 class Curves:
@@ -278,11 +285,12 @@ class HazardEstimator(BaseEstimator):
         self._curves_learner.partial_fit(outcomes)
         prompts = _log_prompt(outcomes.prompt_tokens).tolist()
         ended = outcomes.events.tolist()
-        for i, output in enumerate(outcomes.output_tokens.tolist()):
-            key = outcomes.prompt_key[i]
-            count, deviation, center = self.keys_.features(key)
-            self.buffer_.append((prompts[i], count, deviation, center, output, ended[i]))
-            self.keys_.add(key, output, ended[i])
+        outputs = outcomes.output_tokens.tolist()
+        values = np.log1p(outcomes.output_tokens.astype(np.float64)).tolist()
+        learn, append = self.keys_.learn, self.buffer_.append
+        for i, key in enumerate(outcomes.prompt_key):
+            count, deviation, center = learn(key, values[i], ended[i])
+            append((prompts[i], count, deviation, center, outputs[i], ended[i]))
         self._since_fit += len(outcomes)
         if not self.defer_fits:
             fitted = self._fit_model(self._due_snapshot())

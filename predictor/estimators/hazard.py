@@ -162,19 +162,24 @@ class Curves:
         last = max(trained_bins - 1, 0)
         log_rate[:, last + 1:] = log_rate[:, last:last + 1]
         self.edges = edges
+        self.widths = widths
         self.log_rate = log_rate
         per_bin = log_rate * widths
         self.log_start = np.concatenate(  # log S(e_b - 1): survival to the bin's start
             [np.zeros((hazard.shape[0], 1)), np.cumsum(per_bin, axis=1)[:, :-1]], axis=1)
-        full = np.exp(self.log_start) * _geometric(log_rate, widths)
-        self.area_before = np.concatenate(
-            [np.zeros((hazard.shape[0], 1)), np.cumsum(full, axis=1)[:, :-1]], axis=1)
+        full = np.exp(self.log_start) * _geometric(log_rate, widths)  # each bin's whole area
+        # sum_{u >= e_b} S(u), summed from the last bin down: a window's area is the
+        # difference of two such tail sums, which keeps its precision against S(a) however
+        # far out the window is (sums from 0 cancel there: an answer of c_hat 0 with p_fin
+        # near 0 at a million generated tokens, before)
+        after = np.cumsum(full[:, ::-1], axis=1)[:, ::-1]
+        self.area_after = np.concatenate([after[:, 1:], np.zeros((hazard.shape[0], 1))], axis=1)
 
     def terms(self, group: np.ndarray, generated: np.ndarray, horizon: int
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``S(a)``, ``S(a+H)``, ``sum_{h<H} S(a+h)`` for items of the given groups."""
         return (self.survival(group, generated), self.survival(group, generated + horizon),
-                self.area(group, generated + horizon) - self.area(group, generated))
+                self.tail(group, generated) - self.tail(group, generated + horizon))
 
     def _locate(self, group: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         b = np.searchsorted(self.edges, t, side="right") - 1
@@ -184,11 +189,13 @@ class Curves:
         b, into = self._locate(group, t)
         return np.exp(self.log_start[group, b] + (into + 1) * self.log_rate[group, b])
 
-    def area(self, group: np.ndarray, t: np.ndarray) -> np.ndarray:
-        """``sum_{u < t} S(u)``."""
+    def tail(self, group: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """``sum_{u >= t} S(u)``: the rest of t's bin, then the bins after it."""
         b, into = self._locate(group, t)
-        partial = np.exp(self.log_start[group, b]) * _geometric(self.log_rate[group, b], into)
-        return self.area_before[group, b] + partial
+        rate = self.log_rate[group, b]
+        rest = np.exp(self.log_start[group, b] + into * rate) * _geometric(
+            rate, self.widths[b] - into)
+        return rest + self.area_after[group, b]
 
 
 def _geometric(log_rate: np.ndarray, count: np.ndarray) -> np.ndarray:

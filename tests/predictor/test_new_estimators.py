@@ -8,7 +8,7 @@ import pytest
 from predictor.cli import main
 from predictor.estimators import ExactMatchEstimator, Features, HazardEstimator, Outcomes
 from predictor.estimators.exact_match import estimate_prior_weight, length_bin
-from predictor.estimators.hazard import bin_edges, person_period
+from predictor.estimators.hazard import Curves, bin_edges, person_period
 from predictor.estimators.km import KaplanMeier, residual_life
 
 
@@ -66,6 +66,28 @@ def test_person_period_rows():
     assert owner.tolist() == [0, 0, 0, 0, 1, 1, 1]
     assert bins.tolist() == [0, 1, 2, 3, 0, 1, 2]
     assert target.tolist() == [False, False, False, True, False, False, False]
+
+
+def test_hazard_curves_window_area_is_exact_far_out():
+    """The window's area ``sum_{h<H} S(a+h)`` against a direct sum of the curve (log space,
+    in fractions of S(a)), near the start and a million tokens out, where the curve is
+    ~1e-20: it lies in [S(a), H S(a)] (its first term is S(a)), so ``c_hat`` in [1, H]."""
+    edges = bin_edges(3)
+    hazard = np.full((2, edges.size), 0.3)
+    hazard[0, :12] = 0.9  # a curve that falls fast, then slowly
+    curves = Curves(hazard, edges, edges.size)
+    group = np.array([0, 0, 0, 0, 1, 1])
+    generated = np.array([0, 10, 500_000, 1_048_575, 3, 700_000])
+    for horizon in (1, 80, 4096):
+        s_now, s_end, area = curves.terms(group, generated, horizon)
+        for i, (g, a) in enumerate(zip(group, generated, strict=True)):
+            t = np.arange(a, a + horizon + 1)
+            b = np.searchsorted(edges, t, side="right") - 1
+            log_s = curves.log_start[g, b] + (t - edges[b] + 1) * curves.log_rate[g, b]
+            relative = np.exp(log_s - log_s[0])  # S(a + h) / S(a), h = 0..H
+            assert s_now[i] == pytest.approx(np.exp(log_s[0]), rel=1e-12)
+            assert s_end[i] / s_now[i] == pytest.approx(relative[-1], rel=1e-9)
+            assert area[i] / s_now[i] == pytest.approx(relative[:-1].sum(), rel=1e-9)
 
 
 def _hazard(**kwargs):

@@ -258,6 +258,9 @@ class AbJobRunner:
                 self.on_tuned(result["recommendation"])
         except JobCancelled:
             self._set(job_id, status="cancelled")
+        except BalanceRouteError as exc:  # the input's fault (no observations, a bad trace)
+            log.warning("job %s failed: %s", job_id, exc)
+            self._set(job_id, status="failed", error=f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # the job fails, the service does not
             log.exception("job %s failed", job_id)
             self._set(job_id, status="failed", error=f"{type(exc).__name__}: {exc}")

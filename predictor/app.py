@@ -16,12 +16,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from swagger_ui_bundle import swagger_ui_path
 
 from .abjobs import AbJobRunner
@@ -222,6 +224,45 @@ def _replay(chunks: list[bytes], last: dict | None, receive):
     return replay
 
 
+BODY_UNPARSED = "There was an error parsing the body"  # FastAPI's 400 detail
+
+
+def _unreadable(cause: BaseException | None) -> str:
+    if isinstance(cause, RecursionError):
+        return "nested too deeply"
+    if isinstance(cause, UnicodeDecodeError):
+        return "not UTF-8 text"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return "a number with too many digits"
+    return "unreadable"
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """422 for bad input (never echoing it), 503 for anything unexpected."""
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # Never echo inputs back: a prompt's text must not leave the request.
+        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")}
+                  for e in exc.errors()]
+        return JSONResponse(status_code=422, content={"detail": errors})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 400 and exc.detail == BODY_UNPARSED:
+            # FastAPI's answer to a JSON body it could not decode for a reason other than a
+            # syntax error: a 422 naming the reason, as for any other body that is not JSON
+            return JSONResponse(status_code=422, content={"detail": [{
+                "loc": ["body"], "type": "json_invalid",
+                "msg": f"JSON decode error: {_unreadable(exc.__cause__)}"}]})
+        return await http_exception_handler(request, exc)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s", request.url.path)
+        return JSONResponse(status_code=503, content={"detail": "service error; retry later"})
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     engine = make_engine(settings.database_url)
@@ -269,17 +310,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.add_middleware(RequestMetrics, metrics=metrics)
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # Never echo inputs back: a prompt's text must not leave the request.
-        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")}
-                  for e in exc.errors()]
-        return JSONResponse(status_code=422, content={"detail": errors})
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s", request.url.path)
-        return JSONResponse(status_code=503, content={"detail": "service error; retry later"})
+    _error_handlers(app)
 
     for router in ROUTERS:
         app.include_router(router)

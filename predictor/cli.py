@@ -23,7 +23,7 @@ from router_client.admission import (
 from router_client.errors import BalanceRouteError, ParameterError
 from router_client.predictors import Predictor
 from router_client.projection import END_POINTS
-from router_client.simulator import DEFAULT_STEP_COST, SimConfig, parse_step_cost
+from router_client.simulator import DEFAULT_STEP_COST, SimConfig, check_load, parse_step_cost
 from router_client.traces import FORMATS, Trace, load_trace
 
 from . import abtest, evaluate
@@ -77,10 +77,11 @@ def _load(text: str) -> float | str:
         return text
     try:
         value = float(text)
+        check_load(value)
+    except ParameterError as exc:
+        raise argparse.ArgumentTypeError(exc.detail) from None
     except ValueError:
         raise argparse.ArgumentTypeError(f"--load takes a number or 'backlog': {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError("--load must be > 0")
     return value
 
 

@@ -29,6 +29,8 @@ from router_client.admission import (
     Stage1Rule,
     Stage2Order,
 )
+from router_client.errors import ParameterError
+from router_client.simulator import MAX_LOAD, MIN_LOAD, check_load, check_step_cost
 from router_client.traces import key_of_text
 
 from .estimators import estimator_names
@@ -342,17 +344,35 @@ class ReplayIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     batch: Annotated[int, Field(strict=True, ge=1, le=1024)] = 64
-    load: float | Literal["backlog"] = 1.0
-    seed: int = 0
+    load: float | Literal["backlog"] = Field(
+        1.0, description=f"arrivals as a share of the fleet's capacity, {MIN_LOAD:g} to "
+        f"{MAX_LOAD:g}, or 'backlog' (the pool kept full)")
+    seed: Annotated[int, Field(strict=True, ge=0, le=2**63 - 1)] = 0
     refresh_steps: Annotated[int, Field(strict=True, ge=1, le=10_000)] = 10
     step_cost: tuple[Annotated[float, Field(ge=0, le=1.0)],
-                     Annotated[float, Field(ge=0, le=10.0)]] | None = None
+                     Annotated[float, Field(ge=0, le=10.0)]] | None = Field(
+        None, description="A, B: a step lasts A * max load + B seconds (not both 0)")
 
-    @field_validator("load")
+    @field_validator("load", mode="before")
     @classmethod
-    def _positive(cls, value: float | str) -> float | str:
-        if not isinstance(value, str) and not 0 < value <= 100:
-            raise ValueError("load must be in (0, 100] or 'backlog'")
+    def _in_range(cls, value: object) -> object:
+        if isinstance(value, bool):  # JSON true is not a load
+            raise ValueError("load must be a number or 'backlog'")
+        if isinstance(value, int | float):
+            try:
+                check_load(value)
+            except ParameterError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("step_cost")
+    @classmethod
+    def _not_both_zero(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None:
+            try:
+                check_step_cost(value)
+            except ParameterError as exc:
+                raise ValueError(str(exc)) from None
         return value
 
 

@@ -23,6 +23,7 @@ class ParameterError(BalanceRouteError, ValueError):
     def __init__(self, name: str, message: str) -> None:
         super().__init__(f"{name}: {message}")
         self.name = name
+        self.detail = message
 
 
 class TraceError(BalanceRouteError):

@@ -26,6 +26,7 @@ Determinism: everything random comes from ``seed``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from time import perf_counter
@@ -42,14 +43,36 @@ from .traces import Trace
 
 BACKLOG_DEPTH_PER_WORKER = 4
 
+# The arrival rate's range, as a share of the fleet's capacity: far below it the replay's
+# step counter (arrival times in steps) would pass what an int64 holds.
+MIN_LOAD, MAX_LOAD = 1e-3, 100.0
+
+
+def check_load(load: float | str) -> None:
+    """A replay's ``load``: ``'backlog'`` or a number in [MIN_LOAD, MAX_LOAD]."""
+    if isinstance(load, str):
+        if load != "backlog":
+            raise ParameterError("load", "must be a number or 'backlog'")
+    elif isinstance(load, bool) or not MIN_LOAD <= load <= MAX_LOAD:
+        raise ParameterError("load", f"must be in [{MIN_LOAD:g}, {MAX_LOAD:g}] (a share of the "
+                             f"fleet's capacity) or 'backlog': {load!r}")
+
+
+def check_step_cost(cost: tuple[float, float]) -> None:
+    a, b = cost
+    if not (math.isfinite(a) and math.isfinite(b)) or a < 0 or b < 0:
+        raise ParameterError("step_cost", "A and B must be finite and >= 0")
+    if a == 0 and b == 0:
+        raise ParameterError("step_cost", "A and B cannot both be 0")
+
+
 def parse_step_cost(text: str) -> tuple[float, float]:
     """``"A,B"`` (seconds per KV token, fixed seconds per step) for ``--step-cost``."""
     try:
         a, b = (float(v) for v in text.split(","))
     except ValueError:
         raise ParameterError("step_cost", f"takes A,B (two numbers): {text!r}") from None
-    if a < 0 or b < 0:
-        raise ParameterError("step_cost", "A and B must be >= 0")
+    check_step_cost((a, b))
     return a, b
 
 
@@ -76,15 +99,10 @@ class SimConfig:
             raise ParameterError("workers", "must be >= 1")
         if self.batch < 1:
             raise ParameterError("batch", "must be >= 1")
-        if isinstance(self.load, str):
-            if self.load != "backlog":
-                raise ParameterError("load", "must be a positive number or 'backlog'")
-        elif not self.load > 0:
-            raise ParameterError("load", "must be > 0")
-        if self.step_cost[0] < 0 or self.step_cost[1] < 0:
-            raise ParameterError("step_cost", "A and B must be >= 0")
-        if self.step_cost[0] == 0 and self.step_cost[1] == 0:
-            raise ParameterError("step_cost", "A and B cannot both be 0")
+        check_load(self.load)
+        check_step_cost(self.step_cost)
+        if self.seed < 0:
+            raise ParameterError("seed", "must be >= 0")
         if self.horizon < 1:
             raise ParameterError("horizon", "must be >= 1")
         if self.refresh_steps < 1:

@@ -270,6 +270,8 @@ def load_mooncake(source: str, text: str) -> Trace:
             obj = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise TraceFormatError(source, line, f"not valid JSON ({exc.msg})") from None
+        except RecursionError:  # arrays or objects nested past the parser's depth
+            raise TraceFormatError(source, line, "not valid JSON (nested too deeply)") from None
         if not isinstance(obj, dict):
             raise TraceFormatError(source, line, "expected a JSON object")
         for field in ("timestamp", "input_length", "output_length"):
@@ -520,7 +522,7 @@ def _mooncake_request(line: object) -> tuple[bool, object]:
         return False, None
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return True, _UNREADABLE  # the full parse names the problem
     if not isinstance(obj, dict):
         return True, _UNREADABLE

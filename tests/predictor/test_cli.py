@@ -157,6 +157,15 @@ def test_ab_brh_parameters_reach_the_policy(tmp_path):
 def test_ab_rejects_bad_parameters(capsys):
     assert main(["ab", "--trace", "synth:long:n=10", "--gamma", "0", "--quiet"]) == 1
     assert "gamma" in capsys.readouterr().err
+    assert main(["ab", "--trace", "synth:long:n=10", "--seed", "-1", "--quiet"]) == 1
+    assert "seed: must be >= 0" in capsys.readouterr().err
+    for load in ("1e-42", "inf", "nan", "0"):  # a replay's step count would overflow, or none
+        with pytest.raises(SystemExit):
+            main(["ab", "--trace", "synth:long:n=10", "--load", load, "--quiet"])
+        assert "argument --load: must be in [0.001, 100]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["ab", "--trace", "synth:long:n=10", "--step-cost", "0,0", "--quiet"])
+    assert "A and B cannot both be 0" in capsys.readouterr().err
 
 
 def test_ab_peer_setting_and_sampling(tmp_path):

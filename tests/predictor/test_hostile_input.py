@@ -131,3 +131,42 @@ def test_contributions_fast_parse_refuses_raw_bytes_the_check_would(raw):
     with pytest.raises(ValidationError) as got:
         parse_contributions(raw)
     assert got.value.errors()[0]["type"] == "json_invalid"
+
+
+# Found by fuzzing the live service (schemathesis and hand-made bodies, 2026-12-03): each of
+# these was a 503 or a 400, or was accepted and then failed the job with a traceback.
+def test_a_trace_nested_past_the_parsers_depth_is_a_422_naming_the_line(client):
+    deep = '{"timestamp": 0, "input_length": 1, "output_length": 5, "hash_ids": ' + (
+        "[" * 5000 + "]" * 5000 + "}\n")
+    content = '{"timestamp": 0, "input_length": 1, "output_length": 5}\n' + deep
+    for fmt in ("mooncake", "auto"):
+        answer = client.post("/v1/ab-comparisons", json={"trace": {"format": fmt,
+                                                                    "content": content}})
+        assert answer.status_code == 422, answer.text
+        assert "line 2" in answer.text and "nested too deeply" in answer.text
+
+
+@pytest.mark.parametrize("path", ["/v1/ab-comparisons", "/v1/tunings"])
+@pytest.mark.parametrize("field, value", [
+    ("load", 1e-42), ("load", 5e-324), ("load", True), ("load", 101), ("seed", -1),
+    ("seed", 2**70), ("seed", True), ("step_cost", [0, 0])])
+def test_replay_parameters_a_job_cannot_run_are_refused_when_posted(client, path, field,
+                                                                    value):
+    body = {field: value} if path == "/v1/tunings" else {"source": "observations",
+                                                          field: value}
+    answer = client.post(path, json=body)
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["detail"][0]["loc"] == ["body", field]
+    assert client.get(path).json() == []  # no job was queued
+
+
+@pytest.mark.parametrize("path", ["/v1/observations", "/v1/ab-comparisons", "/v1/tunings"])
+@pytest.mark.parametrize("body, reason", [
+    (b'{"observations": "\xff\xfe"}', "not UTF-8 text"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"seed": 1' + b"0" * 5000 + b"}", "a number with too many digits")])
+def test_bodies_that_are_not_json_text_are_a_422_saying_why(client, path, body, reason):
+    answer = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert answer.status_code == 422
+    assert answer.json()["detail"] == [{"loc": ["body"], "type": "json_invalid",
+                                        "msg": f"JSON decode error: {reason}"}]

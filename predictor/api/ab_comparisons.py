@@ -10,7 +10,7 @@ from router_client.traces import Trace, parse_trace
 
 from ..abjobs import TooManyJobs
 from ..schemas import MAX_TOKENS, AbComparisonIn, AbJobCreated, AbJobOut
-from .deps import AbJobsDep, WriteAuth, job_or_404
+from .deps import NOT_FOUND, TOO_LARGE, UNAUTHORIZED, AbJobsDep, WriteAuth, job_or_404
 
 router = APIRouter(prefix="/v1/ab-comparisons", tags=["a/b"])
 
@@ -39,7 +39,8 @@ def parsed_trace(body: AbComparisonIn) -> Trace | None:
     return trace
 
 
-@router.post("", status_code=202, response_model=AbJobCreated, dependencies=[WriteAuth])
+@router.post("", status_code=202, response_model=AbJobCreated, dependencies=[WriteAuth],
+             responses={**TOO_LARGE, **UNAUTHORIZED})
 def start_ab_comparison(body: AbComparisonIn, jobs: AbJobsDep) -> AbJobCreated:
     """Start a simulated A/B comparison (background job); poll it by id."""
     trace = parsed_trace(body)
@@ -55,13 +56,14 @@ def list_ab_comparisons(jobs: AbJobsDep) -> list[dict]:
     return jobs.list("ab")
 
 
-@router.get("/{job_id}", response_model=AbJobOut)
+@router.get("/{job_id}", response_model=AbJobOut, responses=NOT_FOUND)
 def get_ab_comparison(job_id: str, jobs: AbJobsDep) -> dict:
     """A job's status, progress and, when done, its result rows."""
     return job_or_404(jobs.get(job_id, "ab"), "A/B comparison", job_id)
 
 
-@router.delete("/{job_id}", response_model=AbJobOut, dependencies=[WriteAuth])
+@router.delete("/{job_id}", response_model=AbJobOut, dependencies=[WriteAuth],
+                responses={**NOT_FOUND, **UNAUTHORIZED})
 def cancel_ab_comparison(job_id: str, jobs: AbJobsDep) -> dict:
     """Cancel a queued or running comparison (status ``cancelled``; a running one stops at
     its next progress report)."""

@@ -7,13 +7,28 @@ half of a 1-item ``/v1/contributions`` call's time in the service)."""
 from __future__ import annotations
 
 import hmac
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
 
 from ..abjobs import AbJobRunner
 from ..metrics import Metrics
 from ..service import PredictorService
+
+Responses = dict[int | str, dict[str, Any]]
+
+
+def _error(description: str) -> dict[str, Any]:
+    """An error answer in the OpenAPI document: ``{"detail": "..."}``."""
+    return {"description": description, "content": {"application/json": {"schema": {
+        "type": "object", "properties": {"detail": {"type": "string"}},
+        "required": ["detail"]}}}}
+
+
+NOT_FOUND: Responses = {404: _error("no job with this id (of this kind)")}
+TOO_LARGE: Responses = {413: _error("more entries than the per-request limit, or a body past "
+                         "MAX_BODY_BYTES")}
+UNAUTHORIZED: Responses = {401: _error("missing or wrong bearer token (API_TOKEN is set)")}
 
 
 async def get_service(request: Request) -> PredictorService:

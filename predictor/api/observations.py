@@ -6,12 +6,13 @@ from fastapi import APIRouter, HTTPException
 
 from ..metrics import refresh_gauges
 from ..schemas import ObservationsIn, ObservationsOut
-from .deps import MetricsDep, ServiceDep, WriteAuth
+from .deps import TOO_LARGE, UNAUTHORIZED, MetricsDep, ServiceDep, WriteAuth
 
 router = APIRouter(prefix="/v1/observations", tags=["learning"])
 
 
-@router.post("", response_model=ObservationsOut, dependencies=[WriteAuth])
+@router.post("", response_model=ObservationsOut, dependencies=[WriteAuth],
+             responses={**TOO_LARGE, **UNAUTHORIZED})
 def post_observations(body: ObservationsIn, service: ServiceDep,
                       metrics: MetricsDep) -> ObservationsOut:
     """Learn from finished requests; idempotent on ``request_id``; all or nothing."""

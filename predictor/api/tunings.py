@@ -7,12 +7,13 @@ from fastapi.exceptions import RequestValidationError
 
 from ..abjobs import TooManyJobs
 from ..schemas import AbJobCreated, AbJobOut, TuningIn
-from .deps import AbJobsDep, WriteAuth, job_or_404
+from .deps import NOT_FOUND, TOO_LARGE, UNAUTHORIZED, AbJobsDep, WriteAuth, job_or_404
 
 router = APIRouter(prefix="/v1/tunings", tags=["tuning"])
 
 
-@router.post("", status_code=202, response_model=AbJobCreated, dependencies=[WriteAuth])
+@router.post("", status_code=202, response_model=AbJobCreated, dependencies=[WriteAuth],
+             responses={**TOO_LARGE, **UNAUTHORIZED})
 def start_tuning(body: TuningIn, jobs: AbJobsDep) -> AbJobCreated:
     """Replay the most recent stored observations over BR-0 and a small BR-H grid; when
     done, the best setting becomes the service's recommendation (``/v1/status`` and every
@@ -29,12 +30,13 @@ def list_tunings(jobs: AbJobsDep) -> list[dict]:
     return jobs.list("tuning")
 
 
-@router.get("/{job_id}", response_model=AbJobOut)
+@router.get("/{job_id}", response_model=AbJobOut, responses=NOT_FOUND)
 def get_tuning(job_id: str, jobs: AbJobsDep) -> dict:
     """Status, progress and, when done, the ranked settings and the recommendation."""
     return job_or_404(jobs.get(job_id, "tuning"), "tuning", job_id)
 
 
-@router.delete("/{job_id}", response_model=AbJobOut, dependencies=[WriteAuth])
+@router.delete("/{job_id}", response_model=AbJobOut, dependencies=[WriteAuth],
+                responses={**NOT_FOUND, **UNAUTHORIZED})
 def cancel_tuning(job_id: str, jobs: AbJobsDep) -> dict:
     return job_or_404(jobs.cancel(job_id, "tuning"), "tuning", job_id)

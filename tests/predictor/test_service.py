@@ -249,6 +249,15 @@ def test_service_endpoints_and_metrics(client):
         assert name in metrics
     schema = client.get("/openapi.json").json()
     assert "/v1/contributions" in schema["paths"]
+    # the error statuses a route answers are in its document (schemathesis flagged a 404
+    # the document did not list)
+    paths = schema["paths"]
+    for kind in ("ab-comparisons", "tunings"):
+        for method in ("get", "delete"):
+            assert "404" in paths[f"/v1/{kind}/{{job_id}}"][method]["responses"]
+        assert {"401", "413", "422"} <= set(paths[f"/v1/{kind}"]["post"]["responses"])
+    assert "413" in paths["/v1/contributions"]["post"]["responses"]
+    assert {"401", "413", "422"} <= set(paths["/v1/observations"]["post"]["responses"])
 
 
 json_values = st.recursive(

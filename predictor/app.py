@@ -245,6 +245,13 @@ def _error_handlers(app: FastAPI) -> None:
         # Never echo inputs back: a prompt's text must not leave the request.
         errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")}
                   for e in exc.errors()]
+        kind = request.headers.get("content-type", "")
+        if "json" not in kind and [e["type"] for e in errors] == ["model_attributes_type"]:
+            # FastAPI reads the body as JSON only when the request says it is (curl -d sends
+            # application/x-www-form-urlencoded): say so, not "a valid dictionary"
+            errors = [{"loc": ["body"], "type": "content_type",
+                       "msg": "send the body as JSON with content-type: application/json "
+                              f"(this request's: {kind or 'none'})"}]
         return JSONResponse(status_code=422, content={"detail": errors})
 
     @app.exception_handler(StarletteHTTPException)

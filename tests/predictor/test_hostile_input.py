@@ -170,3 +170,20 @@ def test_bodies_that_are_not_json_text_are_a_422_saying_why(client, path, body, 
     assert answer.status_code == 422
     assert answer.json()["detail"] == [{"loc": ["body"], "type": "json_invalid",
                                         "msg": f"JSON decode error: {reason}"}]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/observations", b'{"observations": [{"request_id": "a", "output_tokens": 3}]}'),
+    ("/v1/ab-comparisons", b'{"source": "observations"}'),
+    ("/v1/tunings", b"{}")])
+@pytest.mark.parametrize("kind", ["application/x-www-form-urlencoded", "text/plain"])
+def test_json_sent_as_another_content_type_is_told_so(client, path, body, kind):
+    """``curl -d`` sends its data as a form: the 422 says to send JSON, not that "a valid
+    dictionary" was expected; nothing is stored."""
+    answer = client.post(path, content=body, headers={"content-type": kind})
+    assert answer.status_code == 422
+    assert answer.json()["detail"] == [{
+        "loc": ["body"], "type": "content_type",
+        "msg": f"send the body as JSON with content-type: application/json (this request's: "
+               f"{kind})"}]
+    assert client.get("/v1/status").json()["observations"] == 0

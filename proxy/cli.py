@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import json
 import math
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,37 +31,30 @@ def _step_cost(text: str) -> tuple[float, float]:
     try:
         return parse_step_cost(text)
     except ParameterError as exc:
-        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+        raise argparse.ArgumentTypeError(exc.detail) from None
 
 
-def _overhead(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of KV tokens: {text!r}") from None
-    if not value >= 0:  # NaN too; inf (a step with no per-token cost) is allowed
-        raise argparse.ArgumentTypeError("must be >= 0 KV tokens")
-    return value
+def _number(parse: Callable[[str], T], ok: Callable[[T], bool], expected: str,
+            bound: str) -> Callable[[str], T]:
+    """An argparse type: ``parse`` the text ("expected ..." if it cannot), then ``ok`` must
+    hold (``bound`` if not)."""
+    def check(text: str) -> T:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(bound)
+        return value
+
+    return check
 
 
-def _rounds(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of rounds: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be >= 0 rounds")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError("must be > 0")
-    return value
+# NaN fails every comparison; an infinite overhead (a step with no per-token cost) is allowed
+_overhead = _number(float, lambda v: v >= 0, "a number of KV tokens", "must be >= 0 KV tokens")
+_rounds = _number(int, lambda v: v >= 0, "a whole number of rounds", "must be >= 0 rounds")
+_positive_float = _number(float, lambda v: 0 < v < math.inf, "a number",
+                          "must be a finite number > 0")
 
 
 def add_commands(sub: Any, bench_sub: Any) -> None:

@@ -146,6 +146,26 @@ def test_the_proxys_patience_reaches_its_router_and_bad_values_are_refused(capsy
         assert "--patience" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["emulate", "--time-scale", "inf"], "--time-scale: must be a finite number > 0"),
+    (["emulate", "--time-scale", "nan"], "--time-scale: must be a finite number > 0"),
+    (["emulate", "--time-scale", "fast"], "--time-scale: expected a number: 'fast'"),
+    (["emulate", "--step-cost", "0,0"], "--step-cost: A and B cannot both be 0"),
+    (["proxy", "--decode", "http://127.0.0.1:9", "--step-ms", "inf"],
+     "--step-ms: must be a finite number > 0"),
+    (["proxy", "--decode", "http://127.0.0.1:9", "--step-overhead", "nan"],
+     "--step-overhead: must be >= 0 KV tokens"),
+    (["proxy", "--decode", "http://127.0.0.1:9", "--patience", "many"],
+     "--patience: expected a whole number of rounds: 'many'")])
+def test_serving_options_out_of_range_are_refused_naming_the_option(capsys, argv, message):
+    from predictor.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_the_proxy_counts_the_ranks_the_guard_holds_back_and_patience_forces():
     """The proxy's routing round (its dispatcher, in process: no timing involved), two ranks
     of four slots, no fixed step cost (``--step-overhead 0``), twelve 50-token prompts in the

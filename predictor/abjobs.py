@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from models import AbJob, Observation
 from router_client.admission import BalanceRouteParams
-from router_client.errors import BalanceRouteError, TraceError
+from router_client.errors import BalanceRouteError, ContractError, TraceError
 from router_client.simulator import DEFAULT_STEP_COST, SimConfig
 from router_client.traces import Trace
 
@@ -258,11 +258,11 @@ class AbJobRunner:
                 self.on_tuned(result["recommendation"])
         except JobCancelled:
             self._set(job_id, status="cancelled")
-        except BalanceRouteError as exc:  # the input's fault (no observations, a bad trace)
-            log.warning("job %s failed: %s", job_id, exc)
-            self._set(job_id, status="failed", error=f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # the job fails, the service does not
-            log.exception("job %s failed", job_id)
+            if isinstance(exc, BalanceRouteError) and not isinstance(exc, ContractError):
+                log.warning("job %s failed: %s", job_id, exc)  # the input's fault
+            else:  # a bug of ours: with its traceback
+                log.exception("job %s failed", job_id)
             self._set(job_id, status="failed", error=f"{type(exc).__name__}: {exc}")
         finally:
             self.cancelled.discard(job_id)

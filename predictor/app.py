@@ -243,10 +243,11 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         # Never echo inputs back: a prompt's text must not leave the request.
-        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")}
-                  for e in exc.errors()]
+        raw = exc.errors()
+        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in raw]
         kind = request.headers.get("content-type", "")
-        if "json" not in kind and [e["type"] for e in errors] == ["model_attributes_type"]:
+        if len(raw) == 1 and raw[0]["type"] == "model_attributes_type" and isinstance(
+                raw[0].get("input"), bytes):  # FastAPI did not read the body as JSON
             # FastAPI reads the body as JSON only when the request says it is (curl -d sends
             # application/x-www-form-urlencoded): say so, not "a valid dictionary"
             errors = [{"loc": ["body"], "type": "content_type",

@@ -271,8 +271,9 @@ class StatusOut(BaseModel):
     auto_estimator: str = Field(description="the estimator that answers `auto`")
     recommendation: Recommendation | None = Field(
         description="which policy routers should run, from the newest tuning (null: none yet)")
-    fitting: bool = Field(description="a model fit (the hazard model's, on newly learned "
-                          "batches) is queued or running; queries are slower meanwhile")
+    fitting: bool = Field(description="deferred learning (the hazard model's fits, ExactMatch's "
+                          "k estimates, on newly learned batches) is queued or running; "
+                          "queries are slower meanwhile")
 
 
 class ReliabilityBin(BaseModel):
@@ -355,14 +356,18 @@ class ReplayIn(BaseModel):
 
     @field_validator("load", mode="before")
     @classmethod
-    def _in_range(cls, value: object) -> object:
+    def _not_a_bool(cls, value: object) -> object:
         if isinstance(value, bool):  # JSON true is not a load
             raise ValueError("load must be a number or 'backlog'")
-        if isinstance(value, int | float):
-            try:
-                check_load(value)
-            except ParameterError as exc:
-                raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("load")
+    @classmethod
+    def _in_range(cls, value: float | str) -> float | str:
+        try:  # after conversion: "0" or "nan" as a string is checked too
+            check_load(value)
+        except ParameterError as exc:
+            raise ValueError(str(exc)) from None
         return value
 
     @field_validator("step_cost")

@@ -359,10 +359,13 @@ class PredictorService:
     def _fit_deferred(self) -> None:
         """Model fits an estimator deferred (see ``HazardEstimator.fit_deferred``), run
         outside the lock that queries take."""
-        for estimator in self.estimators.values():
+        for name, estimator in self.estimators.items():
             fit = getattr(estimator, "fit_deferred", None)
             if fit is not None:
-                fit(self.lock)
+                try:  # one estimator's failure must not hold back the others' work
+                    fit(self.lock)
+                except Exception:  # it keeps its previous model; the service goes on
+                    log.exception("a deferred fit of %s failed", name)
 
     def _skip_due_fits(self) -> None:
         for estimator in self.estimators.values():

@@ -55,6 +55,7 @@ _overhead = _number(float, lambda v: v >= 0, "a number of KV tokens", "must be >
 _rounds = _number(int, lambda v: v >= 0, "a whole number of rounds", "must be >= 0 rounds")
 _positive_float = _number(float, lambda v: 0 < v < math.inf, "a number",
                           "must be a finite number > 0")
+_rate = _number(float, lambda v: v > 0, "a number or 'inf'", "must be > 0 ('inf': all at once)")
 
 
 def add_commands(sub: Any, bench_sub: Any) -> None:
@@ -125,7 +126,7 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     serve.add_argument("--trace", required=True, help="trace file or synth:NAME")
     serve.add_argument("--format", default="auto")
     rate = serve.add_mutually_exclusive_group()
-    rate.add_argument("--rate", type=_positive_float, default=None,
+    rate.add_argument("--rate", type=_rate, default=None,
                       help="Poisson arrivals at R requests/s ('inf': all at once)")
     rate.add_argument("--load", type=_positive_float, default=None,
                       help="rescale trace times to this load (see --workers, --batch)")
@@ -162,7 +163,7 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
                       "prompt_mean=500", help="trace file or synth:NAME")
     over.add_argument("--format", default="auto")
     over.add_argument("--requests", type=int, default=None)
-    over.add_argument("--rate", type=_positive_float, default=10.0,
+    over.add_argument("--rate", type=_rate, default=10.0,
                       help="Poisson arrivals per second (default 10)")
     over.add_argument("--batch", type=int, default=64)
     over.add_argument("--step-cost", type=_step_cost, default=DEFAULT_STEP_COST, help=cost)

@@ -25,13 +25,13 @@ from ..schemas import (
     prompt_key_of,
 )
 from ..service import PredictorService
-from .deps import TOO_LARGE, MetricsDep, ServiceDep
+from .deps import INVALID, TOO_LARGE, MetricsDep, ServiceDep
 
 router = APIRouter(prefix="/v1/contributions", tags=["prediction"])
 _GENERATED = itemgetter("generated_tokens")
 
 
-@router.post("", response_model=ContributionsOut, responses=TOO_LARGE,
+@router.post("", response_model=ContributionsOut, responses={**TOO_LARGE, **INVALID},
              openapi_extra={"requestBody": {"required": True, "content": {
                  "application/json": {"schema": {
                      "$ref": "#/components/schemas/ContributionsIn"}}}}})

@@ -28,6 +28,8 @@ def _error(description: str) -> dict[str, Any]:
 NOT_FOUND: Responses = {404: _error("no job with this id (of this kind)")}
 TOO_LARGE: Responses = {413: _error("more entries than the per-request limit, or a body past "
                          "MAX_BODY_BYTES")}
+INVALID: Responses = {422: {"description": "Validation Error", "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/HTTPValidationError"}}}}}
 UNAUTHORIZED: Responses = {401: _error("missing or wrong bearer token (API_TOKEN is set)")}
 
 

@@ -328,7 +328,13 @@ class ExactMatchEstimator(BaseEstimator):
             held, self._deferred = self._deferred, None
         if held is None:
             return False
-        estimate = estimate_prior_weight([b.tolist() for b in held])
+        try:
+            estimate = estimate_prior_weight([b.tolist() for b in held])
+        except Exception:
+            with lock:  # kept for the next run, unless a newer due point replaced it
+                if self._deferred is None:
+                    self._deferred = held
+            raise
         with lock:
             self.prior_weight_ = self.prior_weight if estimate is None else estimate
         return True

@@ -148,7 +148,8 @@ def test_a_trace_nested_past_the_parsers_depth_is_a_422_naming_the_line(client):
 
 @pytest.mark.parametrize("path", ["/v1/ab-comparisons", "/v1/tunings"])
 @pytest.mark.parametrize("field, value", [
-    ("load", 1e-42), ("load", 5e-324), ("load", True), ("load", 101), ("seed", -1),
+    ("load", 1e-42), ("load", 5e-324), ("load", True), ("load", 101), ("load", "0"),
+    ("load", "nan"), ("load", "1e-42"), ("seed", -1),
     ("seed", 2**70), ("seed", True), ("step_cost", [0, 0])])
 def test_replay_parameters_a_job_cannot_run_are_refused_when_posted(client, path, field,
                                                                     value):
@@ -176,7 +177,8 @@ def test_bodies_that_are_not_json_text_are_a_422_saying_why(client, path, body, 
     ("/v1/observations", b'{"observations": [{"request_id": "a", "output_tokens": 3}]}'),
     ("/v1/ab-comparisons", b'{"source": "observations"}'),
     ("/v1/tunings", b"{}")])
-@pytest.mark.parametrize("kind", ["application/x-www-form-urlencoded", "text/plain"])
+@pytest.mark.parametrize("kind", ["application/x-www-form-urlencoded", "text/plain",
+                                  "text/json"])
 def test_json_sent_as_another_content_type_is_told_so(client, path, body, kind):
     """``curl -d`` sends its data as a form: the 422 says to send JSON, not that "a valid
     dictionary" was expected; nothing is stored."""
@@ -187,3 +189,10 @@ def test_json_sent_as_another_content_type_is_told_so(client, path, body, kind):
         "msg": f"send the body as JSON with content-type: application/json (this request's: "
                f"{kind})"}]
     assert client.get("/v1/status").json()["observations"] == 0
+
+
+@pytest.mark.parametrize("kind", ["application/json", "Application/JSON"])
+def test_json_that_is_not_an_object_is_not_blamed_on_the_content_type(client, kind):
+    answer = client.post("/v1/observations", content=b"[1, 2]", headers={"content-type": kind})
+    assert answer.status_code == 422
+    assert answer.json()["detail"][0]["type"] != "content_type"

@@ -256,7 +256,7 @@ def test_service_endpoints_and_metrics(client):
         for method in ("get", "delete"):
             assert "404" in paths[f"/v1/{kind}/{{job_id}}"][method]["responses"]
         assert {"401", "413", "422"} <= set(paths[f"/v1/{kind}"]["post"]["responses"])
-    assert "413" in paths["/v1/contributions"]["post"]["responses"]
+    assert {"413", "422"} <= set(paths["/v1/contributions"]["post"]["responses"])
     assert {"401", "413", "422"} <= set(paths["/v1/observations"]["post"]["responses"])
 
 
@@ -360,11 +360,13 @@ def test_k_is_estimated_off_the_query_lock_and_ends_as_estimated_inline(tmp_path
     service.load()
     exact, keyed = service.estimators["exact_match"], service.estimators["hazard"].keyed_
     release = threading.Event()
-    service.fitter.submit(release.wait)  # the fitter's one thread busy
-    assert service.ingest(rows).accepted == 1200
-    assert len(exact.buckets_) > 10 and exact.prior_weight_ == keyed.prior_weight_ == 1.0
-    assert service.fitting
-    release.set()
+    service.fitter.submit(release.wait, 60)  # the fitter's one thread busy (bounded)
+    try:
+        assert service.ingest(rows).accepted == 1200
+        assert len(exact.buckets_) > 10 and exact.prior_weight_ == keyed.prior_weight_ == 1.0
+        assert service.fitting
+    finally:
+        release.set()  # a failed assertion must not leave the fitter blocked
     service.wait_for_fits()
     inline = {spec.name: spec.build(settings) for spec in estimator_specs()}
     outcomes = Outcomes.of(trace.output_tokens, None, trace.prompt_keys, trace.prompt_tokens)
@@ -429,14 +431,17 @@ def test_status_says_when_a_model_fit_is_queued_or_running(client):
     service = client.app.state.service
     assert client.get("/v1/status").json()["fitting"] is False
     release, running, fit_goes_on = threading.Event(), threading.Event(), threading.Event()
-    service.fitter.submit(release.wait)  # the fitter's one thread busy: the fit waits
-    service._schedule_fits()
-    assert client.get("/v1/status").json()["fitting"] is True  # queued
-    service._fit_deferred = lambda: (running.set(), fit_goes_on.wait())  # a fit that runs on
-    release.set()
-    assert running.wait(timeout=10)
-    assert not service._fit_queued  # no longer queued, but running
-    assert client.get("/v1/status").json()["fitting"] is True
-    fit_goes_on.set()
+    service.fitter.submit(release.wait, 60)  # the fitter's one thread busy: the fit waits
+    try:
+        service._schedule_fits()
+        assert client.get("/v1/status").json()["fitting"] is True  # queued
+        service._fit_deferred = lambda: (running.set(), fit_goes_on.wait(60))  # runs on
+        release.set()
+        assert running.wait(timeout=10)
+        assert not service._fit_queued  # no longer queued, but running
+        assert client.get("/v1/status").json()["fitting"] is True
+    finally:  # a failed assertion must not leave the fitter blocked
+        release.set()
+        fit_goes_on.set()
     service.wait_for_fits()
     assert client.get("/v1/status").json()["fitting"] is False

@@ -211,3 +211,15 @@ def test_the_guard_idle_and_patience_zero_complete_every_request(launcher: Launc
         proxy.stop()
     assert counted[None][1] == 0
     assert counted["0"][0] == 0
+
+
+def test_bench_serve_rate_takes_inf_all_at_once_but_not_nan():
+    import argparse
+    import math
+
+    from proxy.cli import _rate
+
+    assert _rate("inf") == math.inf and _rate("2.5") == 2.5
+    for bad in ("nan", "0", "-1", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _rate(bad)

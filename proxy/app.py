@@ -57,7 +57,7 @@ from .engines import EngineSet
 from .metrics import ProxyMetrics
 from .pool import PendingPool, PoolExpired, PoolFull
 from .relay import NATURAL_TOOL_FINISHES, Aggregate, is_usage_only
-from .tokens import prompt_tokens
+from .tokens import body_problem, prompt_tokens
 
 log = logging.getLogger("balanceroute.proxy")
 
@@ -118,6 +118,15 @@ class ProxyError(Exception):
     def response(self) -> Response:
         return JSONResponse({"error": {"message": self.message, "type": self.kind,
                                        "code": self.status}}, status_code=self.status)
+
+
+def _forwarded_headers(request: Request) -> tuple[dict[str, str], str | None]:
+    """The headers passed on to the ranks (``Authorization``), and what is wrong with them
+    (None: nothing): HTTP header values are ASCII."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+    if not all(v.isascii() for v in headers.values()):
+        return headers, "the Authorization header must be ASCII text"
+    return headers, None
 
 
 class StreamCut(Exception):
@@ -252,8 +261,11 @@ class Proxy:
         except (orjson.JSONDecodeError, ValueError) as exc:
             return ProxyError(400, f"invalid JSON body: {exc}", "invalid_request_error"
                               ).response()
+        headers, problem = _forwarded_headers(request)
+        problem = problem or body_problem(body, chat)
+        if problem is not None:
+            return ProxyError(400, problem, "invalid_request_error").response()
         self.calls += 1
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         call = Call(f"br-{uuid.uuid4().hex}", chat, bool(body.get("stream")),
                     bool((body.get("stream_options") or {}).get("include_usage")), headers)
         start = asyncio.ensure_future(self.start(call, body, path))
@@ -266,6 +278,11 @@ class Proxy:
             call.outcome = "rejected" if exc.status in (429, 503) else "error"
             await self.close(call)
             return exc.response()
+        except Exception:  # a bug of ours: the slot and the pool entry are freed all the same
+            log.exception("unexpected error routing %s", call.base_id)
+            call.outcome = "error"
+            await self.close(call)
+            return ProxyError(503, "proxy error; retry later", "proxy_error").response()
         if call.client_stream:
             return StreamingResponse(self.relay(call), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
@@ -487,12 +504,14 @@ class Proxy:
 
     # -- other endpoints --------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
+        headers, problem = _forwarded_headers(request)
+        if problem is not None:
+            return ProxyError(400, problem, "invalid_request_error").response()
         for engine in self.engines.engines:
             if not engine.up:
                 continue
             try:
-                response = await self.http.get(f"{engine.url}/v1/models", headers={
-                    k: v for k, v in request.headers.items() if k.lower() == "authorization"})
+                response = await self.http.get(f"{engine.url}/v1/models", headers=headers)
             except httpx.HTTPError:
                 continue
             return Response(response.content, status_code=response.status_code,

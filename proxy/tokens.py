@@ -53,6 +53,35 @@ def prompt_tokens(body: dict[str, Any]) -> int:
     return 1
 
 
+def body_problem(body: dict[str, Any], chat: bool) -> str | None:
+    """What is wrong, naming the field, with the fields the proxy itself reads (None: nothing);
+    the rest is the engine's to judge."""
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        return "'stream' must be true or false"
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        return "'stream_options' must be an object"
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            return f"'{field}' must be a whole number >= 1"
+    if "messages" in body or chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return "'messages' must be a non-empty list of messages"
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                return f"'messages[{i}]' must be an object"
+            content = message.get("content")
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    if isinstance(part, dict) and not isinstance(part.get("text") or "", str):
+                        return f"'messages[{i}].content[{j}].text' must be a string"
+            elif content is not None and not isinstance(content, str):
+                return f"'messages[{i}].content' must be a string or a list of parts"
+    return None
+
+
 def max_tokens(body: dict[str, Any], default: int = 256) -> int:
     """The requested output cap (``max_completion_tokens`` wins for chat, as in OpenAI's API)."""
     value = body.get("max_completion_tokens") or body.get("max_tokens")

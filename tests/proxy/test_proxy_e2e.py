@@ -161,3 +161,31 @@ def test_client_disconnect_in_the_pool_frees_it(fleet, streaming):
         assert state["invariants"] == "ok" and state["per_rank"] == [B] * G
         for stream, _ in held:
             stream.__exit__(None, None, None)
+
+
+# Found by fuzzing the live proxy (2026-12-03): each was a 500, and a non-ASCII Authorization
+# header also left the admitted request's slot and pool entry behind. Each is now a 400 naming
+# what is wrong, before anything is admitted (the autouse check: the proxy is quiescent after).
+@pytest.mark.parametrize("path, body, headers, fragment", [
+    ("/v1/completions", {"prompt": "x", "stream_options": "x"}, {}, "'stream_options'"),
+    ("/v1/completions", {"prompt": "x", "messages": 5}, {}, "'messages'"),
+    ("/v1/chat/completions", {"messages": True}, {}, "'messages'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": 5}]}]}, {}, "'messages[0].content[0].text'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, {},
+     "'messages[0].content'"),
+    ("/v1/completions", {"prompt": "x", "stream": "false"}, {}, "'stream'"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, {}, "'max_tokens'"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2},
+     {"authorization": b"Bearer \xff\xfe"}, "Authorization"),
+])
+def test_fields_the_proxy_reads_are_checked_before_admission(fleet, path, body, headers,
+                                                              fragment):
+    _, proxy = fleet
+    with httpx.Client(timeout=10.0) as client:
+        answer = client.post(proxy.url + path, json=body, headers=headers)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["type"] == "invalid_request_error"
+        assert fragment in answer.json()["error"]["message"]
+        models = client.get(proxy.url + "/v1/models", headers=headers)
+        assert models.status_code == (400 if headers else 200)

@@ -223,3 +223,31 @@ def test_bench_serve_rate_takes_inf_all_at_once_but_not_nan():
     for bad in ("nan", "0", "-1", "x"):
         with pytest.raises(argparse.ArgumentTypeError):
             _rate(bad)
+
+
+def test_an_unexpected_error_while_routing_frees_the_request_and_is_a_503(monkeypatch):
+    """A bug of ours between admission and the upstream answer (here: ``start`` raising)
+    must not leave the request in the pool or on a rank: the proxy closes it and answers 503."""
+    from starlette.testclient import TestClient
+
+    from proxy.app import Proxy, ProxyConfig, build_app
+
+    closed = []
+    real_close = Proxy.close
+
+    async def failing_start(self, call, body, path):
+        raise RuntimeError("boom")
+
+    async def close(self, call):
+        closed.append(call.base_id)
+        await real_close(self, call)
+
+    monkeypatch.setattr(Proxy, "start", failing_start)
+    monkeypatch.setattr(Proxy, "close", close)
+    with TestClient(build_app(ProxyConfig(decode=["http://127.0.0.1:9"]))) as client:
+        answer = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert answer.status_code == 503
+        assert answer.json()["error"]["message"] == "proxy error; retry later"
+        assert len(closed) == 1
+        state = client.get("/proxy/state").json()
+        assert state["pool"] == state["pending"] == 0 and sum(state["per_rank"]) == 0

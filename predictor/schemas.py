@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import (
     Annotated,
     Literal,
     NotRequired,  # pydantic needs these on Python < 3.12
+    TypeVar,
 )
 
 from pydantic import (
@@ -340,6 +342,19 @@ class TraceIn(BaseModel):
 Workers = Annotated[int, Field(strict=True, ge=1, le=256)]
 
 
+T = TypeVar("T")
+
+
+def _checked(check: Callable[[T], None], value: T) -> T:
+    """``value`` once the simulator's ``check`` accepts it (its ParameterError as pydantic's
+    ValueError: the same message in the 422 as in the CLI)."""
+    try:
+        check(value)
+    except ParameterError as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
 class ReplayIn(BaseModel):
     """What every simulated replay takes (A/B comparisons and tunings)."""
 
@@ -364,21 +379,12 @@ class ReplayIn(BaseModel):
     @field_validator("load")
     @classmethod
     def _in_range(cls, value: float | str) -> float | str:
-        try:  # after conversion: "0" or "nan" as a string is checked too
-            check_load(value)
-        except ParameterError as exc:
-            raise ValueError(str(exc)) from None
-        return value
+        return _checked(check_load, value)  # after conversion: "0" or "nan" as text too
 
     @field_validator("step_cost")
     @classmethod
     def _not_both_zero(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
-        if value is not None:
-            try:
-                check_step_cost(value)
-            except ParameterError as exc:
-                raise ValueError(str(exc)) from None
-        return value
+        return value if value is None else _checked(check_step_cost, value)
 
 
 class AbComparisonIn(ReplayIn):

@@ -329,19 +329,23 @@ class ExactMatchEstimator(BaseEstimator):
         if held is None:
             return False
         try:
-            estimate = estimate_prior_weight([b.tolist() for b in held])
+            weight = self._estimate(held)
         except Exception:
             with lock:  # kept for the next run, unless a newer due point replaced it
                 if self._deferred is None:
                     self._deferred = held
             raise
         with lock:
-            self.prior_weight_ = self.prior_weight if estimate is None else estimate
+            self.prior_weight_ = weight
         return True
 
-    def _refresh(self, bins: list[np.ndarray]) -> None:
+    def _estimate(self, bins: list[np.ndarray]) -> float:
+        """k from the keys' bins (``prior_weight`` until it can be estimated)."""
         estimate = estimate_prior_weight([b.tolist() for b in bins])
-        self.prior_weight_ = self.prior_weight if estimate is None else estimate
+        return self.prior_weight if estimate is None else estimate
+
+    def _refresh(self, bins: list[np.ndarray]) -> None:
+        self.prior_weight_ = self._estimate(bins)
 
     def _steps_of(self, key: str, bucket: Bucket) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A key's step curve, from a cache bounded by ``cache_bytes`` (least recently used

@@ -31,6 +31,7 @@ from .api import ROUTERS
 from .api.contributions import answer
 from .api.contributions import router as contributions_router
 from .api.deps import token_ok
+from .asgi import BodyLimit, replay_body
 from .metrics import Metrics, refresh_gauges
 from .schemas import CONTRIBUTIONS_IN, parse_contributions
 from .service import PredictorService
@@ -38,39 +39,6 @@ from .settings import Settings
 from .store import make_engine
 
 log = logging.getLogger("balanceroute.service")
-
-
-class BodyLimit:
-    """ASGI middleware: 413 for a body over the limit, declared or streamed."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._reject(send)
-        received = 0
-        chunks: list[bytes] = []
-        while True:  # read the whole body first, so an oversized stream stores nothing
-            message = await receive()
-            if message["type"] != "http.request":
-                return await self.app(scope, _replay(chunks, message, receive), send)
-            received += len(message.get("body", b""))
-            if received > self.limit:
-                return await self._reject(send)
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                return await self.app(scope, _replay(chunks, None, receive), send)
-
-    async def _reject(self, send) -> None:
-        body = json.dumps({"detail": f"request body over the limit of {self.limit} bytes"})
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": body.encode()})
 
 
 WRITE_PATHS = ("/v1/observations", "/v1/ab-comparisons", "/v1/tunings")
@@ -161,7 +129,7 @@ class ContributionsFastPath:
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                return await self.app(scope, _replay(chunks, message, receive), send)
+                return await self.app(scope, replay_body(chunks, message, receive), send)
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
@@ -177,7 +145,7 @@ class ContributionsFastPath:
             if response is None:
                 response = await run_in_threadpool(answer, *arguments)
         except (ValidationError, RequestValidationError, HTTPException):
-            return await self.app(scope, _replay([raw], None, receive), send)
+            return await self.app(scope, replay_body([raw], None, receive), send)
         await response(scope, receive, send)
 
 
@@ -207,21 +175,6 @@ def _answer_if_free(body, service: PredictorService, metrics: Metrics,
         return answer(body, service, metrics, caller)
     finally:
         service.lock.release()
-
-
-def _replay(chunks: list[bytes], last: dict | None, receive):
-    """An ASGI ``receive`` that gives the body read so far, ``chunks``, as one message, then
-    ``last`` (the message that cut the body short, a disconnect) if any, then defers to
-    ``receive``."""
-    pending: list[dict] = [{"type": "http.request", "body": b"".join(chunks),
-                            "more_body": last is not None}]
-    if last is not None:
-        pending.append(last)
-
-    async def replay():
-        return pending.pop(0) if pending else await receive()
-
-    return replay
 
 
 BODY_UNPARSED = "There was an error parsing the body"  # FastAPI's 400 detail

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .asgi import BODY_LIMIT, MIN_BODY_LIMIT
+
 
 class Settings(BaseSettings):
     """Every setting of the prediction service.
@@ -55,7 +57,7 @@ class Settings(BaseSettings):
         16 << 20, ge=1 << 16, description="bytes of per-key curves cached for queries")
     max_observations_per_batch: int = Field(10_000, ge=1)
     max_items_per_query: int = Field(65_536, ge=1)
-    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(BODY_LIMIT, ge=MIN_BODY_LIMIT)
     calibration_sample_rate: float = Field(0.1, ge=0.0, le=1.0)
     calibration_max_pending: int = Field(200_000, ge=1)
     calibration_max_pending_per_caller: int | None = Field(

@@ -43,6 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from predictor.asgi import BODY_LIMIT, MIN_BODY_LIMIT, BodyLimit
 from router_client.admission import GUARD_RULES, BalanceRouteParams, GuardRule
 from router_client.client import RouterClient, RouterConfig
 from router_client.http_predictor import HttpPredictor
@@ -90,6 +91,7 @@ class ProxyConfig:
     guard: GuardRule | None = None  # BR's starvation guard (None: idle for brh, always for br0)
     step_overhead: float | None = None  # b / a of the ranks' step time, KV tokens
     patience: int | None = None  # rounds in a row the guard idle may hold one rank back
+    max_body_bytes: int = BODY_LIMIT  # 413 past it (a 128k-token prompt: about 0.5 MB)
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -106,6 +108,9 @@ class ProxyConfig:
                                           or not isinstance(self.patience, int)
                                           or self.patience < 0):
             raise ValueError("--patience must be a whole number of rounds >= 0")
+        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
+                or self.max_body_bytes < MIN_BODY_LIMIT:
+            raise ValueError(f"--max-body-bytes must be a whole number >= {MIN_BODY_LIMIT}")
 
 
 class ProxyError(Exception):
@@ -543,6 +548,11 @@ class Proxy:
         })
 
 
+def _too_large(limit: int) -> dict[str, Any]:
+    return {"error": {"message": f"request body over the proxy's limit of {limit} bytes "
+                      "(--max-body-bytes)", "type": "invalid_request_error", "code": 413}}
+
+
 def build_app(config: ProxyConfig) -> Starlette:
     proxy = Proxy(config)
 
@@ -577,5 +587,7 @@ def build_app(config: ProxyConfig) -> Starlette:
         Route("/readyz", readyz, methods=["GET"]),
         Route("/proxy/state", proxy.state, methods=["GET"]),
     ], lifespan=lifespan)
+    # a body past the limit gets its 413 before it is read whole, let alone parsed
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes, error=_too_large)
     app.state.proxy = proxy
     return app

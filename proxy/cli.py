@@ -14,6 +14,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+from predictor.asgi import BODY_LIMIT, MIN_BODY_LIMIT
 from router_client.errors import ParameterError
 from router_client.simulator import DEFAULT_STEP_COST, parse_step_cost
 
@@ -55,6 +56,8 @@ _overhead = _number(float, lambda v: v >= 0, "a number of KV tokens", "must be >
 _rounds = _number(int, lambda v: v >= 0, "a whole number of rounds", "must be >= 0 rounds")
 _positive_float = _number(float, lambda v: 0 < v < math.inf, "a number",
                           "must be a finite number > 0")
+_body_bytes = _number(int, lambda v: v >= MIN_BODY_LIMIT, "a whole number of bytes",
+                      f"must be >= {MIN_BODY_LIMIT} bytes")
 _rate = _number(float, lambda v: v > 0, "a number or 'inf'", "must be > 0 ('inf': all at once)")
 
 
@@ -102,6 +105,9 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
                        "(0: never waits; default: no bound). A round comes with every event "
                        "and every 10 ms while requests wait, at most once per --step-ms: set "
                        "--step-ms for a bound in decode steps")
+    proxy.add_argument("--max-body-bytes", type=_body_bytes, default=BODY_LIMIT,
+                       metavar="BYTES", help="largest request body accepted; 413 beyond, "
+                       f"before it is parsed (default {BODY_LIMIT}; at least {MIN_BODY_LIMIT})")
     proxy.add_argument("--prefill-kv-budget", type=int, default=2_000_000,
                        help="KV tokens one prefill instance may hold for pending hand-offs")
     proxy.set_defaults(handler=cmd_proxy)
@@ -195,7 +201,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                          connect_timeout_s=args.connect_timeout,
                          step_s=args.step_ms / 1000 if args.step_ms else None,
                          prefill_kv_budget=args.prefill_kv_budget, guard=args.guard,
-                         step_overhead=args.step_overhead, patience=args.patience)
+                         step_overhead=args.step_overhead, patience=args.patience,
+                         max_body_bytes=args.max_body_bytes)
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="warning",
                 access_log=False, timeout_keep_alive=30, backlog=4096)
     return 0

@@ -12,6 +12,7 @@ import pytest
 from .conftest import Launcher, assert_quiescent, proxy_state, rank_urls
 
 G, B = 2, 2
+BODY_LIMIT = 65536  # the proxy's --max-body-bytes here
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,8 @@ def fleet(tmp_path_factory):
     launch = Launcher(str(tmp_path_factory.mktemp("e2e")))
     try:
         emulator = launch.emulator(workers=G, batch=B, time_scale=20.0)
-        proxy = launch.proxy(rank_urls(emulator, G), policy="br0", batch=B)
+        proxy = launch.proxy(rank_urls(emulator, G), policy="br0", batch=B,
+                             extra=("--max-body-bytes", str(BODY_LIMIT)))
         yield emulator, proxy
     finally:
         launch.stop_all()
@@ -189,3 +191,32 @@ def test_fields_the_proxy_reads_are_checked_before_admission(fleet, path, body, 
         assert fragment in answer.json()["error"]["message"]
         models = client.get(proxy.url + "/v1/models", headers=headers)
         assert models.status_code == (400 if headers else 200)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_body_past_the_limit_is_a_413_and_admits_nothing(fleet, declared):
+    """A body over ``--max-body-bytes``, with its length declared or streamed in chunks
+    (no Content-Length), is refused with an OpenAI-style 413 before the proxy parses or
+    admits it (the autouse check: quiescent after); the next request is served."""
+    _, proxy = fleet
+    prompt = "word " * (BODY_LIMIT // 4)
+    raw = json.dumps({"prompt": prompt, "max_tokens": 2}).encode()
+    assert len(raw) > BODY_LIMIT
+
+    def chunks():
+        for start in range(0, len(raw), 4096):
+            yield raw[start:start + 4096]
+
+    dispatched = proxy_state(proxy)["counters"]["dispatched"]
+    with httpx.Client(timeout=10.0) as client:
+        answer = client.post(proxy.url + "/v1/completions", content=raw if declared else chunks(),
+                             headers={"content-type": "application/json"})
+        assert answer.status_code == 413, answer.text
+        error = answer.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == 413
+        assert f"limit of {BODY_LIMIT} bytes" in error["message"]
+    assert proxy_state(proxy)["counters"]["dispatched"] == dispatched
+    completion = client_of(proxy).completions.create(model="m", prompt="word " * 1000,
+                                                     max_tokens=2)
+    assert completion.choices[0].finish_reason in ("length", "stop")

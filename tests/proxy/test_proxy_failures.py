@@ -156,7 +156,11 @@ def test_the_proxys_patience_reaches_its_router_and_bad_values_are_refused(capsy
     (["proxy", "--decode", "http://127.0.0.1:9", "--step-overhead", "nan"],
      "--step-overhead: must be >= 0 KV tokens"),
     (["proxy", "--decode", "http://127.0.0.1:9", "--patience", "many"],
-     "--patience: expected a whole number of rounds: 'many'")])
+     "--patience: expected a whole number of rounds: 'many'"),
+    (["proxy", "--decode", "http://127.0.0.1:9", "--max-body-bytes", "100"],
+     "--max-body-bytes: must be >= 1024 bytes"),
+    (["proxy", "--decode", "http://127.0.0.1:9", "--max-body-bytes", "1e6"],
+     "--max-body-bytes: expected a whole number of bytes: '1e6'")])
 def test_serving_options_out_of_range_are_refused_naming_the_option(capsys, argv, message):
     from predictor.cli import main
 

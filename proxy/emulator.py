@@ -45,7 +45,7 @@ from starlette.routing import Route
 
 from router_client.simulator import DEFAULT_STEP_COST
 
-from .tokens import max_tokens, prompt_tokens
+from .tokens import body_problem, max_tokens, prompt_tokens
 
 log = logging.getLogger("balanceroute.emulator")
 
@@ -230,6 +230,27 @@ def _chunk(data: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _tools_problem(body: dict[str, Any]) -> str | None:
+    """What is wrong with ``tools`` / ``tool_choice``, naming the field (None: nothing)."""
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            return "'tools' must be a list of tools"
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict) or not isinstance(tool.get("function") or {}, dict):
+                return f"'tools[{i}]' must be an object whose 'function' is an object"
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if not isinstance(choice.get("function") or {}, dict):
+            return "'tool_choice.function' must be an object"
+    elif choice is not None and choice not in TOOL_CHOICES:
+        return "'tool_choice' must be 'none', 'auto', 'required' or an object naming a function"
+    return None
+
+
 def _tool_call(body: dict[str, Any]) -> str | None:
     tools = body.get("tools")
     if not tools:
@@ -304,6 +325,11 @@ class _Responder:
                 "choices": [choice], "usage": self.usage()}
 
 
+def _bad_request(message: str) -> Response:
+    return JSONResponse({"error": {"message": message, "type": "BadRequestError",
+                                   "code": 400}}, status_code=400)
+
+
 async def wait_disconnect(request: Request) -> None:
     """Returns when the client goes away (the body must have been read already)."""
     while True:
@@ -326,8 +352,10 @@ def build_app(emulator: Emulator, base_port: int) -> Starlette:
             if not isinstance(body, dict):
                 raise ValueError("body must be a JSON object")
         except (orjson.JSONDecodeError, ValueError) as exc:
-            return JSONResponse({"error": {"message": str(exc), "type": "BadRequestError"}},
-                                status_code=400)
+            return _bad_request(str(exc))
+        problem = body_problem(body, chat) or (_tools_problem(body) if chat else None)
+        if problem is not None:  # as an engine would, before anything runs
+            return _bad_request(problem)
         rank = rank_of(request)
         if rank >= G:
             instance = rank - G

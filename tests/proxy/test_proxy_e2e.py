@@ -220,3 +220,31 @@ def test_a_body_past_the_limit_is_a_413_and_admits_nothing(fleet, declared):
     completion = client_of(proxy).completions.create(model="m", prompt="word " * 1000,
                                                      max_tokens=2)
     assert completion.choices[0].finish_reason in ("length", "stop")
+
+
+# Found by fuzzing (2026-12-03): a malformed ``tools`` / ``tool_choice`` made the emulator
+# answer 500 after the request had started, so it ran on with no reader.
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fields, fragment", [
+    ({"tools": 5}, "'tools'"),
+    ({"tools": [5]}, "'tools[0]'"),
+    ({"tools": [{"type": "function", "function": "f"}], "tool_choice": "required"}, "'tools[0]'"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": "f"}}, "'tool_choice.function'"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "maybe"},
+     "'tool_choice'"),
+])
+def test_malformed_tools_are_a_400_from_the_rank_and_through_the_proxy(fleet, fields,
+                                                                       fragment):
+    emulator, proxy = fleet
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            **fields}
+    with httpx.Client(timeout=10.0) as client:
+        direct = client.post(rank_urls(emulator, G)[0] + "/v1/chat/completions", json=body)
+        assert direct.status_code == 400, direct.text
+        assert fragment in direct.json()["error"]["message"]
+        relayed = client.post(proxy.url + "/v1/chat/completions", json=body)
+        assert relayed.status_code == 400, relayed.text
+        assert fragment in relayed.json()["error"]["message"]
+    totals = _emulated_totals(emulator)  # nothing started on the ranks
+    assert totals["active"] == totals["waiting"] == 0, totals

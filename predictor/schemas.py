@@ -32,7 +32,14 @@ from router_client.admission import (
     Stage2Order,
 )
 from router_client.errors import ParameterError
-from router_client.simulator import MAX_LOAD, MIN_LOAD, check_load, check_step_cost
+from router_client.simulator import (
+    MAX_LOAD,
+    MIN_LOAD,
+    STEP_COST_MAX,
+    STEP_COST_MIN,
+    check_load,
+    check_step_cost,
+)
 from router_client.traces import key_of_text
 
 from .estimators import estimator_names
@@ -365,9 +372,10 @@ class ReplayIn(BaseModel):
         f"{MAX_LOAD:g}, or 'backlog' (the pool kept full)")
     seed: Annotated[int, Field(strict=True, ge=0, le=2**63 - 1)] = 0
     refresh_steps: Annotated[int, Field(strict=True, ge=1, le=10_000)] = 10
-    step_cost: tuple[Annotated[float, Field(ge=0, le=1.0)],
-                     Annotated[float, Field(ge=0, le=10.0)]] | None = Field(
-        None, description="A, B: a step lasts A * max load + B seconds (not both 0)")
+    step_cost: tuple[Annotated[float, Field(ge=0, le=STEP_COST_MAX[0])],
+                     Annotated[float, Field(ge=0, le=STEP_COST_MAX[1])]] | None = Field(
+        None, description="A, B: a step lasts A * max load + B seconds (not both 0; each 0 or "
+        f"at least {STEP_COST_MIN:g})")
 
     @field_validator("load", mode="before")
     @classmethod

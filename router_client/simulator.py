@@ -58,12 +58,20 @@ def check_load(load: float | str) -> None:
                              f"fleet's capacity) or 'backlog': {load!r}")
 
 
+STEP_COST_MIN = 1e-12  # seconds: A and B are 0 or at least this (and at most the maxima)
+STEP_COST_MAX = (1.0, 10.0)  # A: seconds per KV token; B: seconds per step
+
+
 def check_step_cost(cost: tuple[float, float]) -> None:
     a, b = cost
     if not (math.isfinite(a) and math.isfinite(b)) or a < 0 or b < 0:
         raise ParameterError("step_cost", "A and B must be finite and >= 0")
     if a == 0 and b == 0:
         raise ParameterError("step_cost", "A and B cannot both be 0")
+    for name, value, most in (("A", a, STEP_COST_MAX[0]), ("B", b, STEP_COST_MAX[1])):
+        if value != 0 and not STEP_COST_MIN <= value <= most:  # else rates leave float range
+            raise ParameterError("step_cost", f"{name} must be 0 or from {STEP_COST_MIN:g} to "
+                                 f"{most:g} seconds, not {value:g}")
 
 
 def parse_step_cost(text: str) -> tuple[float, float]:

@@ -34,6 +34,8 @@ class BodyLimit:
         chunks: list[bytes] = []
         while True:  # read the whole body first, so an oversized stream stores nothing
             message = await receive()
+            if message["type"] == "http.disconnect":
+                return None  # the client left mid-body: no one to answer
             if message["type"] != "http.request":
                 return await self.app(scope, replay_body(chunks, message, receive), send)
             received += len(message.get("body", b""))
@@ -47,7 +49,10 @@ class BodyLimit:
         body = json.dumps(self.error(self.limit)).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+                                (b"content-length", str(len(body)).encode()),
+                                # else the server reads the rest of the body to keep the
+                                # connection, however large it is
+                                (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
 

@@ -389,6 +389,13 @@ class ReplayIn(BaseModel):
     def _in_range(cls, value: float | str) -> float | str:
         return _checked(check_load, value)  # after conversion: "0" or "nan" as text too
 
+    @field_validator("step_cost", mode="before")
+    @classmethod
+    def _no_bools(cls, value: object) -> object:
+        if isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value):
+            raise ValueError("step_cost takes two numbers, not true or false")
+        return value
+
     @field_validator("step_cost")
     @classmethod
     def _not_both_zero(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:

@@ -114,15 +114,35 @@ class ProxyConfig:
 
 
 class ProxyError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "proxy_error") -> None:
+    def __init__(self, status: int, message: str, kind: str = "proxy_error",
+                 body: bytes | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
+        self.body = body  # an engine's own answer, relayed as it came
 
     def response(self) -> Response:
+        if self.body is not None:
+            return Response(self.body, status_code=self.status, media_type="application/json")
         return JSONResponse({"error": {"message": self.message, "type": self.kind,
                                        "code": self.status}}, status_code=self.status)
+
+
+def upstream_error(status: int, content: bytes, who: str) -> ProxyError:
+    """An engine's answer other than 200, for the client: a 4xx with an OpenAI-style error
+    object (the request's fault, in the engine's words) goes through as the engine wrote it;
+    anything else is a proxy error naming the engine."""
+    if 400 <= status < 500:
+        try:
+            answer = orjson.loads(content)
+        except orjson.JSONDecodeError:
+            answer = None
+        if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+            return ProxyError(status, str(answer["error"].get("message")), "upstream_error",
+                              body=content)
+    return ProxyError(status, f"{who}: {content[:500].decode(errors='replace')}",
+                      "upstream_error")
 
 
 def _forwarded_headers(request: Request) -> tuple[dict[str, str], str | None]:
@@ -364,10 +384,9 @@ class Proxy:
                 raise ProxyError(502, f"decode rank {rank} failed: {exc!r}",
                                  "upstream_error") from exc
             if call.response.status_code != 200:
-                text = (await call.response.aread()).decode(errors="replace")
-                status = call.response.status_code
+                content = await call.response.aread()
                 self._end(call, "error")
-                raise ProxyError(status, f"decode rank {rank}: {text[:500]}", "upstream_error")
+                raise upstream_error(call.response.status_code, content, f"decode rank {rank}")
             call.telemetry = self.client.stream(call.request_id)
             return
         raise ProxyError(502, "no decode rank accepted the request", "upstream_error")
@@ -415,9 +434,8 @@ class Proxy:
             raise ProxyError(502, f"prefill instance {instance} failed: {exc!r}",
                              "upstream_error") from exc
         if response.status_code != 200:
-            raise ProxyError(response.status_code,
-                             f"prefill instance {instance}: {response.text[:500]}",
-                             "upstream_error")
+            raise upstream_error(response.status_code, response.content,
+                                 f"prefill instance {instance}")
         answer = orjson.loads(response.content)
         tokens = int((answer.get("usage") or {}).get("prompt_tokens") or estimate)
         return tokens, answer.get("kv_transfer_params")

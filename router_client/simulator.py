@@ -68,10 +68,11 @@ def check_step_cost(cost: tuple[float, float]) -> None:
         raise ParameterError("step_cost", "A and B must be finite and >= 0")
     if a == 0 and b == 0:
         raise ParameterError("step_cost", "A and B cannot both be 0")
-    for name, value, most in (("A", a, STEP_COST_MAX[0]), ("B", b, STEP_COST_MAX[1])):
+    for name, value, most, unit in (("A", a, STEP_COST_MAX[0], "s per KV token"),
+                                    ("B", b, STEP_COST_MAX[1], "s per step")):
         if value != 0 and not STEP_COST_MIN <= value <= most:  # else rates leave float range
             raise ParameterError("step_cost", f"{name} must be 0 or from {STEP_COST_MIN:g} to "
-                                 f"{most:g} seconds, not {value:g}")
+                                 f"{most:g} {unit}, not {value!r}")
 
 
 def parse_step_cost(text: str) -> tuple[float, float]:

@@ -169,10 +169,11 @@ def test_ab_rejects_bad_parameters(capsys):
     # a subnormal cost made every step time ~0 and the rows' tok/s inf (null over REST)
     with pytest.raises(SystemExit):
         main(["ab", "--trace", "synth:long:n=10", "--step-cost", "1e-320,0", "--quiet"])
-    assert "--step-cost: A must be 0 or from 1e-12 to 1 seconds" in capsys.readouterr().err
+    assert "--step-cost: A must be 0 or from 1e-12 to 1 s per KV token, not 1e-320" in \
+        capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["ab", "--trace", "synth:long:n=10", "--step-cost", "1e-7,100", "--quiet"])
-    assert "B must be 0 or from 1e-12 to 10 seconds, not 100" in capsys.readouterr().err
+    assert "B must be 0 or from 1e-12 to 10 s per step, not 100.0" in capsys.readouterr().err
 
 
 def test_ab_peer_setting_and_sampling(tmp_path):

@@ -9,7 +9,8 @@ import orjson
 import pytest
 from fastapi.testclient import TestClient
 
-from predictor.app import ContributionsFastPath, _replay, create_app
+from predictor.app import ContributionsFastPath, create_app
+from predictor.asgi import replay_body
 from predictor.metrics import Metrics
 from predictor.service import PredictorService
 from predictor.settings import Settings
@@ -134,7 +135,7 @@ def test_replay_gives_the_body_read_then_what_cut_it_short(last):
         raise AssertionError("read past the replay")
 
     async def run():
-        receive = _replay([b"ab", b"", b"cd"], last, never)
+        receive = replay_body([b"ab", b"", b"cd"], last, never)
         first = await receive()
         return first, (await receive() if last else None)
 

@@ -151,7 +151,7 @@ def test_a_trace_nested_past_the_parsers_depth_is_a_422_naming_the_line(client):
     ("load", 1e-42), ("load", 5e-324), ("load", True), ("load", 101), ("load", "0"),
     ("load", "nan"), ("load", "1e-42"), ("seed", -1),
     ("seed", 2**70), ("seed", True), ("step_cost", [0, 0]), ("step_cost", [1e-320, 0]),
-    ("step_cost", [1.5e-7, 1e-300])])
+    ("step_cost", [1.5e-7, 1e-300]), ("step_cost", [1.5e-7, True])])
 def test_replay_parameters_a_job_cannot_run_are_refused_when_posted(client, path, field,
                                                                     value):
     body = {field: value} if path == "/v1/tunings" else {"source": "observations",

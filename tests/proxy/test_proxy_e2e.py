@@ -239,12 +239,19 @@ def test_malformed_tools_are_a_400_from_the_rank_and_through_the_proxy(fleet, fi
     emulator, proxy = fleet
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
             **fields}
+    before = _emulated_finished(emulator)
     with httpx.Client(timeout=10.0) as client:
         direct = client.post(rank_urls(emulator, G)[0] + "/v1/chat/completions", json=body)
         assert direct.status_code == 400, direct.text
         assert fragment in direct.json()["error"]["message"]
         relayed = client.post(proxy.url + "/v1/chat/completions", json=body)
         assert relayed.status_code == 400, relayed.text
-        assert fragment in relayed.json()["error"]["message"]
-    totals = _emulated_totals(emulator)  # nothing started on the ranks
-    assert totals["active"] == totals["waiting"] == 0, totals
+        assert relayed.json() == direct.json()  # the engine's own answer, as it wrote it
+    assert _emulated_finished(emulator) == before  # nothing ran on the ranks
+    with pytest.raises(openai.BadRequestError, match=fragment.replace("[", r"\[")):
+        client_of(proxy).chat.completions.create(**body)
+
+
+def _emulated_finished(emulator) -> int:
+    ranks = httpx.get(emulator.url + "/emulator/stats").json()["ranks"]
+    return sum(r["finished"] + r["cancelled"] for r in ranks)

@@ -266,7 +266,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                     on_tuned=lambda advice: setattr(service, "recommendation",
                                                                     advice))
     app.add_middleware(ContributionsFastPath, state=app.state)  # innermost: after the limits
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes,
+                       budget=settings.max_inflight_body_bytes)
     app.add_middleware(TokenGate, token=settings.api_token)  # outside BodyLimit: checked first
 
     app.add_middleware(RequestMetrics, metrics=metrics)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .asgi import BODY_LIMIT, MIN_BODY_LIMIT
+from .asgi import BODY_BUDGET, BODY_LIMIT, MIN_BODY_LIMIT
 
 
 class Settings(BaseSettings):
@@ -58,6 +58,9 @@ class Settings(BaseSettings):
     max_observations_per_batch: int = Field(10_000, ge=1)
     max_items_per_query: int = Field(65_536, ge=1)
     max_body_bytes: int = Field(BODY_LIMIT, ge=MIN_BODY_LIMIT)
+    max_inflight_body_bytes: int = Field(
+        BODY_BUDGET, ge=MIN_BODY_LIMIT, description="bytes of request bodies held at once "
+        "(read, not yet answered); 503 with Retry-After beyond; at least max_body_bytes")
     calibration_sample_rate: float = Field(0.1, ge=0.0, le=1.0)
     calibration_max_pending: int = Field(200_000, ge=1)
     calibration_max_pending_per_caller: int | None = Field(
@@ -78,3 +81,9 @@ class Settings(BaseSettings):
         "table for what other replicas ingested (0: never)")
     max_queued_jobs: int = Field(8, ge=1, le=1000)
     drift_clear_after: int = Field(5000, ge=1)
+
+    @model_validator(mode="after")
+    def _budget_holds_a_body(self) -> Settings:
+        if self.max_inflight_body_bytes < self.max_body_bytes:
+            raise ValueError("max_inflight_body_bytes must be at least max_body_bytes")
+        return self

@@ -43,7 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from predictor.asgi import BODY_LIMIT, MIN_BODY_LIMIT, BodyLimit
+from predictor.asgi import BODY_BUDGET, BODY_LIMIT, MIN_BODY_LIMIT, BodyLimit
 from router_client.admission import GUARD_RULES, BalanceRouteParams, GuardRule
 from router_client.client import RouterClient, RouterConfig
 from router_client.http_predictor import HttpPredictor
@@ -92,6 +92,7 @@ class ProxyConfig:
     step_overhead: float | None = None  # b / a of the ranks' step time, KV tokens
     patience: int | None = None  # rounds in a row the guard idle may hold one rank back
     max_body_bytes: int = BODY_LIMIT  # 413 past it (a 128k-token prompt: about 0.5 MB)
+    max_inflight_body_bytes: int = BODY_BUDGET  # all bodies held at once; 503 past it
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -111,6 +112,11 @@ class ProxyConfig:
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
                 or self.max_body_bytes < MIN_BODY_LIMIT:
             raise ValueError(f"--max-body-bytes must be a whole number >= {MIN_BODY_LIMIT}")
+        if isinstance(self.max_inflight_body_bytes, bool) \
+                or not isinstance(self.max_inflight_body_bytes, int) \
+                or self.max_inflight_body_bytes < self.max_body_bytes:
+            raise ValueError("--max-inflight-body-bytes must be a whole number >= "
+                             "--max-body-bytes")
 
 
 class ProxyError(Exception):
@@ -566,9 +572,10 @@ class Proxy:
         })
 
 
-def _too_large(limit: int) -> dict[str, Any]:
-    return {"error": {"message": f"request body over the proxy's limit of {limit} bytes "
-                      "(--max-body-bytes)", "type": "invalid_request_error", "code": 413}}
+def _body_error(status: int, message: str) -> dict[str, Any]:
+    option = "--max-body-bytes" if status == 413 else "--max-inflight-body-bytes"
+    return {"error": {"message": f"{message} ({option})", "code": status,
+                      "type": "invalid_request_error" if status == 413 else "server_busy"}}
 
 
 def build_app(config: ProxyConfig) -> Starlette:
@@ -606,6 +613,7 @@ def build_app(config: ProxyConfig) -> Starlette:
         Route("/proxy/state", proxy.state, methods=["GET"]),
     ], lifespan=lifespan)
     # a body past the limit gets its 413 before it is read whole, let alone parsed
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes, error=_too_large)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes, error=_body_error,
+                       budget=config.max_inflight_body_bytes)
     app.state.proxy = proxy
     return app

@@ -10,11 +10,12 @@ import argparse
 import asyncio
 import json
 import math
+import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from predictor.asgi import BODY_LIMIT, MIN_BODY_LIMIT
+from predictor.asgi import BODY_BUDGET, BODY_LIMIT, MIN_BODY_LIMIT
 from router_client.errors import ParameterError
 from router_client.simulator import DEFAULT_STEP_COST, parse_step_cost
 
@@ -108,6 +109,10 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     proxy.add_argument("--max-body-bytes", type=_body_bytes, default=BODY_LIMIT,
                        metavar="BYTES", help="largest request body accepted; 413 beyond, "
                        f"before it is parsed (default {BODY_LIMIT}; at least {MIN_BODY_LIMIT})")
+    proxy.add_argument("--max-inflight-body-bytes", type=_body_bytes, default=BODY_BUDGET,
+                       metavar="BYTES", help="request bodies held at once (read, not yet "
+                       "answered); 503 with Retry-After beyond (default "
+                       f"{BODY_BUDGET}; at least --max-body-bytes)")
     proxy.add_argument("--prefill-kv-budget", type=int, default=2_000_000,
                        help="KV tokens one prefill instance may hold for pending hand-offs")
     proxy.set_defaults(handler=cmd_proxy)
@@ -192,20 +197,31 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
 def cmd_proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .app import ProxyConfig, build_app
+    from .app import build_app
 
-    config = ProxyConfig(decode=args.decode, prefill=args.prefill, policy=args.policy,
-                         predictor_url=args.predictor_url, batch=args.batch, bypass=args.bypass,
-                         pool_max=args.pool_max, pool_ttl_s=args.pool_ttl,
-                         engine_timeout_s=args.engine_timeout,
-                         connect_timeout_s=args.connect_timeout,
-                         step_s=args.step_ms / 1000 if args.step_ms else None,
-                         prefill_kv_budget=args.prefill_kv_budget, guard=args.guard,
-                         step_overhead=args.step_overhead, patience=args.patience,
-                         max_body_bytes=args.max_body_bytes)
+    try:
+        config = _proxy_config(args)
+    except ValueError as exc:  # options that are wrong together, e.g. --policy brh alone
+        print(f"balanceroute proxy: error: {exc}", file=sys.stderr)
+        return 2
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="warning",
                 access_log=False, timeout_keep_alive=30, backlog=4096)
     return 0
+
+
+def _proxy_config(args: argparse.Namespace) -> Any:
+    from .app import ProxyConfig
+
+    return ProxyConfig(decode=args.decode, prefill=args.prefill, policy=args.policy,
+                       predictor_url=args.predictor_url, batch=args.batch, bypass=args.bypass,
+                       pool_max=args.pool_max, pool_ttl_s=args.pool_ttl,
+                       engine_timeout_s=args.engine_timeout,
+                       connect_timeout_s=args.connect_timeout,
+                       step_s=args.step_ms / 1000 if args.step_ms else None,
+                       prefill_kv_budget=args.prefill_kv_budget, guard=args.guard,
+                       step_overhead=args.step_overhead, patience=args.patience,
+                       max_body_bytes=args.max_body_bytes,
+                       max_inflight_body_bytes=args.max_inflight_body_bytes)
 
 
 def cmd_emulate(args: argparse.Namespace) -> int:

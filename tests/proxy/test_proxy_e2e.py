@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import Launcher, assert_quiescent, proxy_state, rank_urls
+from .conftest import Launcher, assert_quiescent, poll_until, proxy_state, rank_urls
 
 G, B = 2, 2
 BODY_LIMIT = 65536  # the proxy's --max-body-bytes here
@@ -21,7 +21,8 @@ def fleet(tmp_path_factory):
     try:
         emulator = launch.emulator(workers=G, batch=B, time_scale=20.0)
         proxy = launch.proxy(rank_urls(emulator, G), policy="br0", batch=B,
-                             extra=("--max-body-bytes", str(BODY_LIMIT)))
+                             extra=("--max-body-bytes", str(BODY_LIMIT),
+                                    "--max-inflight-body-bytes", str(BODY_LIMIT)))
         yield emulator, proxy
     finally:
         launch.stop_all()
@@ -255,3 +256,33 @@ def test_malformed_tools_are_a_400_from_the_rank_and_through_the_proxy(fleet, fi
 def _emulated_finished(emulator) -> int:
     ranks = httpx.get(emulator.url + "/emulator/stats").json()["ranks"]
     return sum(r["finished"] + r["cancelled"] for r in ranks)
+
+
+@pytest.mark.timeout(60)
+def test_bodies_held_at_once_past_the_budget_get_a_503_until_one_is_answered(fleet):
+    """The budget is one full body here: while a 40 kB request streams, a second one of 40
+    kB is refused (503, Retry-After) without being admitted; once the first is answered the
+    second goes through."""
+    _, proxy = fleet
+    prompt = "word " * 8000  # 40 kB
+    body = {"model": "m", "prompt": prompt, "max_tokens": 100_000, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=10.0) as client:
+        stream = client.stream("POST", proxy.url + "/v1/completions", json=body)
+        response = stream.__enter__()
+        reader = response.iter_raw()  # kept: a collected reader closes the stream
+        next(reader)  # admitted and streaming: its body is held
+        dispatched = proxy_state(proxy)["counters"]["dispatched"]
+        refused = client.post(proxy.url + "/v1/completions",
+                              json={"model": "m", "prompt": prompt, "max_tokens": 2})
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "server_busy"
+        assert proxy_state(proxy)["counters"]["dispatched"] == dispatched
+        stream.__exit__(None, None, None)
+        answer = poll_until(
+            lambda: (r := client.post(proxy.url + "/v1/completions",
+                                      json={"model": "m", "prompt": prompt, "max_tokens": 2})
+                     ).status_code == 200 and r,
+            "the budget back once the stream is closed", timeout_s=15.0, interval_s=0.2)
+        assert answer.json()["choices"][0]["finish_reason"] in ("length", "stop")

@@ -255,3 +255,33 @@ def test_an_unexpected_error_while_routing_frees_the_request_and_is_a_503(monkey
         assert len(closed) == 1
         state = client.get("/proxy/state").json()
         assert state["pool"] == state["pending"] == 0 and sum(state["per_rank"]) == 0
+
+
+def test_proxy_options_wrong_together_are_an_error_not_a_traceback(capsys):
+    from predictor.cli import main
+
+    assert main(["proxy", "--decode", "http://127.0.0.1:9", "--max-body-bytes", "4096",
+                 "--max-inflight-body-bytes", "2048"]) == 2
+    assert "--max-inflight-body-bytes must be a whole number >= --max-body-bytes" in \
+        capsys.readouterr().err
+    assert main(["proxy", "--decode", "http://127.0.0.1:9", "--policy", "brh"]) == 2
+    assert "--policy brh needs --predictor-url" in capsys.readouterr().err
+
+
+def test_the_proxys_body_bounds_answer_openai_style_naming_the_option():
+    """The middleware's two refusals, as the proxy words them (the budget's 503 itself is
+    exercised in tests/predictor/test_asgi.py)."""
+    from starlette.testclient import TestClient
+
+    from proxy.app import ProxyConfig, _body_error, build_app
+
+    config = ProxyConfig(decode=["http://127.0.0.1:9"], max_body_bytes=1024,
+                         max_inflight_body_bytes=4096)
+    with TestClient(build_app(config)) as client:
+        answer = client.post("/v1/completions", content=b"x" * 2000)
+        assert answer.status_code == 413
+        assert answer.json()["error"]["message"] == \
+            "request body over the limit of 1024 bytes (--max-body-bytes)"
+    busy = _body_error(503, "the server holds 4096 bytes")
+    assert busy["error"]["type"] == "server_busy"
+    assert busy["error"]["message"].endswith("(--max-inflight-body-bytes)")

@@ -31,7 +31,7 @@ from .api import ROUTERS
 from .api.contributions import answer
 from .api.contributions import router as contributions_router
 from .api.deps import token_ok
-from .asgi import BodyLimit, replay_body
+from .asgi import BodyLimit, body_budget, replay_body
 from .metrics import Metrics, refresh_gauges
 from .schemas import CONTRIBUTIONS_IN, parse_contributions
 from .service import PredictorService
@@ -267,7 +267,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                                                     advice))
     app.add_middleware(ContributionsFastPath, state=app.state)  # innermost: after the limits
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes,
-                       budget=settings.max_inflight_body_bytes)
+                       budget=body_budget(settings.max_inflight_body_bytes,
+                                          settings.max_body_bytes))
     app.add_middleware(TokenGate, token=settings.api_token)  # outside BodyLimit: checked first
 
     app.add_middleware(RequestMetrics, metrics=metrics)

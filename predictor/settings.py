@@ -58,9 +58,10 @@ class Settings(BaseSettings):
     max_observations_per_batch: int = Field(10_000, ge=1)
     max_items_per_query: int = Field(65_536, ge=1)
     max_body_bytes: int = Field(BODY_LIMIT, ge=MIN_BODY_LIMIT)
-    max_inflight_body_bytes: int = Field(
-        BODY_BUDGET, ge=MIN_BODY_LIMIT, description="bytes of request bodies held at once "
-        "(read, not yet answered); 503 with Retry-After beyond; at least max_body_bytes")
+    max_inflight_body_bytes: int | None = Field(
+        None, ge=MIN_BODY_LIMIT, description="bytes of request bodies held at once (read, not "
+        f"yet answered; one client address a quarter of it); 503 with Retry-After beyond; "
+        f"default {BODY_BUDGET}, or max_body_bytes if larger; at least max_body_bytes")
     calibration_sample_rate: float = Field(0.1, ge=0.0, le=1.0)
     calibration_max_pending: int = Field(200_000, ge=1)
     calibration_max_pending_per_caller: int | None = Field(
@@ -84,6 +85,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _budget_holds_a_body(self) -> Settings:
-        if self.max_inflight_body_bytes < self.max_body_bytes:
+        if self.max_inflight_body_bytes is not None and \
+                self.max_inflight_body_bytes < self.max_body_bytes:
             raise ValueError("max_inflight_body_bytes must be at least max_body_bytes")
         return self

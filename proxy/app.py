@@ -43,7 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from predictor.asgi import BODY_BUDGET, BODY_LIMIT, MIN_BODY_LIMIT, BodyLimit
+from predictor.asgi import BODY_LIMIT, MIN_BODY_LIMIT, BodyLimit, body_budget
 from router_client.admission import GUARD_RULES, BalanceRouteParams, GuardRule
 from router_client.client import RouterClient, RouterConfig
 from router_client.http_predictor import HttpPredictor
@@ -92,7 +92,8 @@ class ProxyConfig:
     step_overhead: float | None = None  # b / a of the ranks' step time, KV tokens
     patience: int | None = None  # rounds in a row the guard idle may hold one rank back
     max_body_bytes: int = BODY_LIMIT  # 413 past it (a 128k-token prompt: about 0.5 MB)
-    max_inflight_body_bytes: int = BODY_BUDGET  # all bodies held at once; 503 past it
+    max_inflight_body_bytes: int | None = None  # all bodies held at once; 503 past it
+    # (None: BODY_BUDGET, or max_body_bytes if larger)
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -112,9 +113,10 @@ class ProxyConfig:
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
                 or self.max_body_bytes < MIN_BODY_LIMIT:
             raise ValueError(f"--max-body-bytes must be a whole number >= {MIN_BODY_LIMIT}")
-        if isinstance(self.max_inflight_body_bytes, bool) \
-                or not isinstance(self.max_inflight_body_bytes, int) \
-                or self.max_inflight_body_bytes < self.max_body_bytes:
+        if self.max_inflight_body_bytes is not None and (
+                isinstance(self.max_inflight_body_bytes, bool)
+                or not isinstance(self.max_inflight_body_bytes, int)
+                or self.max_inflight_body_bytes < self.max_body_bytes):
             raise ValueError("--max-inflight-body-bytes must be a whole number >= "
                              "--max-body-bytes")
 
@@ -136,17 +138,19 @@ class ProxyError(Exception):
 
 
 def upstream_error(status: int, content: bytes, who: str) -> ProxyError:
-    """An engine's answer other than 200, for the client: a 4xx with an OpenAI-style error
-    object (the request's fault, in the engine's words) goes through as the engine wrote it;
-    anything else is a proxy error naming the engine."""
+    """A decode rank's answer other than 200, for the client: a 4xx with an error object (the
+    engine refusing the request, in its own words) goes through as the engine wrote it;
+    anything else is a proxy error naming the rank."""
     if 400 <= status < 500:
         try:
             answer = orjson.loads(content)
         except orjson.JSONDecodeError:
             answer = None
-        if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
-            return ProxyError(status, str(answer["error"].get("message")), "upstream_error",
-                              body=content)
+        if isinstance(answer, dict) and (isinstance(answer.get("error"), dict)
+                                         or answer.get("object") == "error"):
+            # OpenAI's {"error": {...}}, or {"object": "error", "message": ...} (SGLang, vLLM)
+            return ProxyError(status, str((answer.get("error") or answer).get("message")),
+                              "upstream_error", body=content)
     return ProxyError(status, f"{who}: {content[:500].decode(errors='replace')}",
                       "upstream_error")
 
@@ -427,6 +431,7 @@ class Proxy:
         instance = await self.budget.acquire(estimate, self.prefills.up)
         call.prefill_instance, call.prefill_tokens = instance, estimate
         probe = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        probe.pop("min_tokens", None)  # an engine refuses min_tokens above max_tokens 1
         probe.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_PROBE_KV))
         if "max_completion_tokens" in probe:
             probe["max_completion_tokens"] = 1
@@ -439,9 +444,10 @@ class Proxy:
             self.prefills.mark_down(instance, f"prefill: {type(exc).__name__}")
             raise ProxyError(502, f"prefill instance {instance} failed: {exc!r}",
                              "upstream_error") from exc
-        if response.status_code != 200:
-            raise upstream_error(response.status_code, response.content,
-                                 f"prefill instance {instance}")
+        if response.status_code != 200:  # the probe is ours, not the client's: not relayed
+            raise ProxyError(response.status_code, f"prefill instance {instance}: "
+                             f"{response.content[:500].decode(errors='replace')}",
+                             "upstream_error")
         answer = orjson.loads(response.content)
         tokens = int((answer.get("usage") or {}).get("prompt_tokens") or estimate)
         return tokens, answer.get("kv_transfer_params")
@@ -572,10 +578,13 @@ class Proxy:
         })
 
 
+BODY_ERRORS = {413: ("invalid_request_error", " (--max-body-bytes)"),
+               503: ("server_busy", " (--max-inflight-body-bytes)"), 408: ("timeout", "")}
+
+
 def _body_error(status: int, message: str) -> dict[str, Any]:
-    option = "--max-body-bytes" if status == 413 else "--max-inflight-body-bytes"
-    return {"error": {"message": f"{message} ({option})", "code": status,
-                      "type": "invalid_request_error" if status == 413 else "server_busy"}}
+    kind, option = BODY_ERRORS.get(status, ("proxy_error", ""))
+    return {"error": {"message": message + option, "type": kind, "code": status}}
 
 
 def build_app(config: ProxyConfig) -> Starlette:
@@ -614,6 +623,7 @@ def build_app(config: ProxyConfig) -> Starlette:
     ], lifespan=lifespan)
     # a body past the limit gets its 413 before it is read whole, let alone parsed
     app.add_middleware(BodyLimit, limit=config.max_body_bytes, error=_body_error,
-                       budget=config.max_inflight_body_bytes)
+                       budget=body_budget(config.max_inflight_body_bytes,
+                                          config.max_body_bytes))
     app.state.proxy = proxy
     return app

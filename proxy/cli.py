@@ -109,10 +109,10 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     proxy.add_argument("--max-body-bytes", type=_body_bytes, default=BODY_LIMIT,
                        metavar="BYTES", help="largest request body accepted; 413 beyond, "
                        f"before it is parsed (default {BODY_LIMIT}; at least {MIN_BODY_LIMIT})")
-    proxy.add_argument("--max-inflight-body-bytes", type=_body_bytes, default=BODY_BUDGET,
+    proxy.add_argument("--max-inflight-body-bytes", type=_body_bytes, default=None,
                        metavar="BYTES", help="request bodies held at once (read, not yet "
-                       "answered); 503 with Retry-After beyond (default "
-                       f"{BODY_BUDGET}; at least --max-body-bytes)")
+                       "answered; one client address a quarter of it); 503 with Retry-After "
+                       f"beyond (default {BODY_BUDGET}, or --max-body-bytes if larger)")
     proxy.add_argument("--prefill-kv-budget", type=int, default=2_000_000,
                        help="KV tokens one prefill instance may hold for pending hand-offs")
     proxy.set_defaults(handler=cmd_proxy)

@@ -251,6 +251,14 @@ def _tools_problem(body: dict[str, Any]) -> str | None:
     return None
 
 
+def _min_tokens_problem(body: dict[str, Any]) -> str | None:
+    """vLLM's check: ``min_tokens`` at most the output cap."""
+    least, most = body.get("min_tokens"), max_tokens(body, DEFAULT_MAX_TOKENS)
+    if isinstance(least, int) and not isinstance(least, bool) and least > most:
+        return f"min_tokens must be less than or equal to max_tokens={most}, got {least}"
+    return None
+
+
 def _tool_call(body: dict[str, Any]) -> str | None:
     tools = body.get("tools")
     if not tools:
@@ -353,7 +361,8 @@ def build_app(emulator: Emulator, base_port: int) -> Starlette:
                 raise ValueError("body must be a JSON object")
         except (orjson.JSONDecodeError, ValueError) as exc:
             return _bad_request(str(exc))
-        problem = body_problem(body, chat) or (_tools_problem(body) if chat else None)
+        problem = (body_problem(body, chat) or (_tools_problem(body) if chat else None)
+                   or _min_tokens_problem(body))
         if problem is not None:  # as an engine would, before anything runs
             return _bad_request(problem)
         rank = rank_of(request)

@@ -261,7 +261,7 @@ def _emulated_finished(emulator) -> int:
 @pytest.mark.timeout(60)
 def test_bodies_held_at_once_past_the_budget_get_a_503_until_one_is_answered(fleet):
     """The budget is one full body here: while a 40 kB request streams, a second one of 40
-    kB is refused (503, Retry-After) without being admitted; once the first is answered the
+    kB is refused (503, Retry-After) without being admitted; once the first is closed the
     second goes through."""
     _, proxy = fleet
     prompt = "word " * 8000  # 40 kB

@@ -258,7 +258,10 @@ def test_an_unexpected_error_while_routing_frees_the_request_and_is_a_503(monkey
 
 
 def test_proxy_options_wrong_together_are_an_error_not_a_traceback(capsys):
+    from predictor.asgi import BODY_BUDGET, body_budget
     from predictor.cli import main
+    from predictor.settings import Settings
+    from proxy.app import ProxyConfig
 
     assert main(["proxy", "--decode", "http://127.0.0.1:9", "--max-body-bytes", "4096",
                  "--max-inflight-body-bytes", "2048"]) == 2
@@ -266,11 +269,17 @@ def test_proxy_options_wrong_together_are_an_error_not_a_traceback(capsys):
         capsys.readouterr().err
     assert main(["proxy", "--decode", "http://127.0.0.1:9", "--policy", "brh"]) == 2
     assert "--policy brh needs --predictor-url" in capsys.readouterr().err
+    # a body limit past the budget's default raises the default with it (it used to refuse)
+    config = ProxyConfig(decode=["http://127.0.0.1:9"], max_body_bytes=1 << 30)
+    assert body_budget(config.max_inflight_body_bytes, config.max_body_bytes) == 1 << 30
+    assert body_budget(None, 1024) == BODY_BUDGET and body_budget(4096, 1024) == 4096
+    assert body_budget(Settings(max_body_bytes=1 << 30).max_inflight_body_bytes,
+                       1 << 30) == 1 << 30
 
 
 def test_the_proxys_body_bounds_answer_openai_style_naming_the_option():
-    """The middleware's two refusals, as the proxy words them (the budget's 503 itself is
-    exercised in tests/predictor/test_asgi.py)."""
+    """The 413 through the proxy's app, and how the proxy words the budget's 503 and the
+    408 (both exercised live in test_proxy_e2e.py and in tests/predictor/test_asgi.py)."""
     from starlette.testclient import TestClient
 
     from proxy.app import ProxyConfig, _body_error, build_app
@@ -285,3 +294,29 @@ def test_the_proxys_body_bounds_answer_openai_style_naming_the_option():
     busy = _body_error(503, "the server holds 4096 bytes")
     assert busy["error"]["type"] == "server_busy"
     assert busy["error"]["message"].endswith("(--max-inflight-body-bytes)")
+    assert _body_error(408, "request body not received whole")["error"] == {
+        "message": "request body not received whole", "type": "timeout", "code": 408}
+
+
+@pytest.mark.timeout(90)
+def test_two_phase_requests_through_a_prefill_instance_keep_min_tokens_to_the_rank(
+        launcher: Launcher):
+    """With ``--prefill`` the proxy asks the prefill instance first with ``max_tokens`` 1. It
+    used to copy ``min_tokens`` into that probe, which an engine (vLLM; the emulator checks
+    the same) refuses when above 1: the request failed. Now the probe drops it, the decode
+    rank gets the request as sent, and the usage is the engine's."""
+    emulator = launcher.emulator(workers=2, batch=2, time_scale=20.0,
+                                 extra=("--prefill-workers", "1"))
+    ranks = rank_urls(emulator, 3)
+    proxy = launcher.proxy(ranks[:2], batch=2, extra=("--prefill", ranks[2]))
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0,
+                           timeout=30.0)
+    answer = client.completions.create(model="m", prompt="word " * 40, max_tokens=6,
+                                       extra_body={"min_tokens": 4, "ignore_eos": True})
+    assert answer.usage.completion_tokens == 6
+    with httpx.Client(timeout=10.0) as http:  # the emulator refuses what vLLM refuses
+        refused = http.post(ranks[0] + "/v1/completions",
+                            json={"prompt": "x", "max_tokens": 1, "min_tokens": 4})
+    assert refused.status_code == 400
+    assert "min_tokens must be less than or equal to max_tokens=1" in refused.text
+    assert_quiescent(proxy)

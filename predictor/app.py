@@ -92,16 +92,20 @@ class RequestMetrics:
             self.metrics.latency.labels(endpoint, scope["method"]).observe(
                 time.perf_counter() - started)
 
+        answered = False
+
         async def send_and_observe(message) -> None:
-            nonlocal status
+            nonlocal status, answered
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, answered = message["status"], True
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body"):
                 observe()
 
         try:
             await self.app(scope, receive, send_and_observe)
+            if not answered:
+                status = 499  # the client left before an answer (nginx's code)
         finally:
             observe()
 

@@ -187,3 +187,29 @@ def test_small_queries_are_answered_on_the_loop_while_the_learners_are_free(tmp_
     assert not loop.startswith("AnyIO worker")
     assert all(name.startswith("AnyIO worker") for name in workers) and len(workers) == 2
     service.engine.dispose()
+
+
+def test_a_client_gone_mid_body_is_counted_as_a_499_not_a_503(tmp_path):
+    """Nothing is answered to a client that left mid-body; the request metrics used to count
+    it as the 503 of an escaped error."""
+    app = create_app(settings(tmp_path / "gone.db"))
+    messages = [{"type": "http.request", "body": b'{"observations": [', "more_body": True},
+                {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    with TestClient(app) as client:
+        scope = {"type": "http", "method": "POST", "path": "/v1/observations",
+                 "raw_path": b"/v1/observations", "query_string": b"", "headers": [],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "scheme": "http",
+                 "http_version": "1.1", "root_path": "", "app": app}
+        client.portal.call(app, scope, receive, send)
+        metrics = client.get("/metrics").text
+    assert sent == []
+    assert 'method="POST",status="499"} 1.0' in metrics
+    assert 'status="503"' not in metrics

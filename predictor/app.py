@@ -202,11 +202,11 @@ def _error_handlers(app: FastAPI) -> None:
         # Never echo inputs back: a prompt's text must not leave the request.
         raw = exc.errors()
         errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in raw]
-        kind = request.headers.get("content-type", "")
         if len(raw) == 1 and raw[0]["type"] == "model_attributes_type" and isinstance(
                 raw[0].get("input"), bytes):  # FastAPI did not read the body as JSON
             # FastAPI reads the body as JSON only when the request says it is (curl -d sends
             # application/x-www-form-urlencoded): say so, not "a valid dictionary"
+            kind = request.headers.get("content-type", "")
             errors = [{"loc": ["body"], "type": "content_type",
                        "msg": "send the body as JSON with content-type: application/json "
                               f"(this request's: {kind or 'none'})"}]

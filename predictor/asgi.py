@@ -108,10 +108,10 @@ class BodyLimit:
         if self.budget is None or size == 0:
             return
         self.held += size
-        left = self.by_client.get(client, 0) + size
-        if left:
-            self.by_client[client] = left
-        else:
+        total = self.by_client.get(client, 0) + size
+        if total:
+            self.by_client[client] = total
+        else:  # no entry kept for a client holding nothing
             del self.by_client[client]
 
     async def _pass(self, scope, chunks: list[bytes], last: dict | None, receive, send):

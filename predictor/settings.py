@@ -60,7 +60,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(BODY_LIMIT, ge=MIN_BODY_LIMIT)
     max_inflight_body_bytes: int | None = Field(
         None, ge=MIN_BODY_LIMIT, description="bytes of request bodies held at once (read, not "
-        f"yet answered; one client address a quarter of it); 503 with Retry-After beyond; "
+        "yet answered; one client address a quarter of it); 503 with Retry-After beyond; "
         f"default {BODY_BUDGET}, or max_body_bytes if larger; at least max_body_bytes")
     calibration_sample_rate: float = Field(0.1, ge=0.0, le=1.0)
     calibration_max_pending: int = Field(200_000, ge=1)

@@ -17,7 +17,9 @@ One request, end to end (the paper's serving proxy):
    failure), the slot is freed and the dispatcher woken.
 
 A rank that refuses connections before a request started there is marked down and the
-request is routed again once (a fresh id: the mirrored state never re-admits an id). With
+request is routed again (a fresh id: the mirrored state never re-admits an id); one that
+answers busy (429, 503) is held back for its ``Retry-After`` and the request routed again, up
+to as many refusals as ranks (then the last goes to the client). With
 ``--bypass`` the router counts ``2 * batch`` slots per rank: requests are dispatched as soon
 as they arrive and wait in the engine's queue (dispatched but not running, counted as load),
 so KV transfer overlaps compute at the cost of routing quality.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -54,7 +57,7 @@ from router_client.traces import key_of_text
 
 from .dispatcher import BackgroundPredictor, Dispatcher, RankMaskPolicy
 from .emulator import wait_disconnect
-from .engines import EngineSet
+from .engines import EngineSet, retry_after_s
 from .metrics import ProxyMetrics
 from .pool import PendingPool, PoolExpired, PoolFull
 from .relay import NATURAL_TOOL_FINISHES, Aggregate, is_usage_only
@@ -123,25 +126,35 @@ class ProxyConfig:
 
 class ProxyError(Exception):
     def __init__(self, status: int, message: str, kind: str = "proxy_error",
-                 body: bytes | None = None) -> None:
+                 body: bytes | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
         self.body = body  # an engine's own answer, relayed as it came
+        self.headers = headers
 
     def response(self) -> Response:
         if self.body is not None:
-            return Response(self.body, status_code=self.status, media_type="application/json")
+            return Response(self.body, status_code=self.status, media_type="application/json",
+                            headers=self.headers)
         return JSONResponse({"error": {"message": self.message, "type": self.kind,
-                                       "code": self.status}}, status_code=self.status)
+                                       "code": self.status}}, status_code=self.status,
+                            headers=self.headers)
 
 
-def upstream_error(status: int, content: bytes, who: str) -> ProxyError:
-    """A decode rank's answer other than 200, for the client: a 4xx with an error object (the
-    engine refusing the request, in its own words) goes through as the engine wrote it;
-    anything else is a proxy error naming the rank."""
-    if 400 <= status < 500:
+# A rank's answers that mean "busy, nothing ran": the request goes to another rank, and the
+# rank is held back for its Retry-After (proxy.engines.EngineSet.hold).
+BUSY = (429, 503)
+
+
+def upstream_error(status: int, content: bytes, who: str,
+                   headers: dict[str, str] | None = None) -> ProxyError:
+    """A decode rank's answer other than 200, for the client, with ``headers`` (a
+    ``Retry-After``): a 4xx, or a 503, with an error object (the engine refusing the request,
+    in its own words) goes through as the engine wrote it; anything else is a proxy error
+    naming the rank."""
+    if 400 <= status < 500 or status == 503:
         try:
             answer = orjson.loads(content)
         except orjson.JSONDecodeError:
@@ -150,9 +163,9 @@ def upstream_error(status: int, content: bytes, who: str) -> ProxyError:
                                          or answer.get("object") == "error"):
             # OpenAI's {"error": {...}}, or {"object": "error", "message": ...} (SGLang, vLLM)
             return ProxyError(status, str((answer.get("error") or answer).get("message")),
-                              "upstream_error", body=content)
+                              "upstream_error", body=content, headers=headers)
     return ProxyError(status, f"{who}: {content[:500].decode(errors='replace')}",
-                      "upstream_error")
+                      "upstream_error", headers=headers)
 
 
 def _forwarded_headers(request: Request) -> tuple[dict[str, str], str | None]:
@@ -365,7 +378,9 @@ class Proxy:
         # A rank that refuses the connection is marked down, so routing again cannot pick it:
         # such attempts are bounded by the rank count and do not use up ``retries``, which
         # bounds only the ambiguous failures (a kept-alive connection closed under us).
-        ambiguous = 0
+        # A rank answering busy (429, 503) is held back and the request routed again; once as
+        # many refusals as ranks, the last goes to the client, with a Retry-After.
+        ambiguous, refused = 0, []
         for attempt in range(1 + self.config.retries + len(self.config.decode)):
             if ambiguous > self.config.retries:
                 break
@@ -393,13 +408,31 @@ class Proxy:
                 self._end(call, "error")
                 raise ProxyError(502, f"decode rank {rank} failed: {exc!r}",
                                  "upstream_error") from exc
-            if call.response.status_code != 200:
-                content = await call.response.aread()
+            status = call.response.status_code
+            if status != 200:
+                answer = await call.response.aread()  # (``content`` is sent again on a retry)
                 self._end(call, "error")
-                raise upstream_error(call.response.status_code, content, f"decode rank {rank}")
+                asked = call.response.headers.get("retry-after")
+                if status in BUSY:
+                    self.engines.hold(rank, retry_after_s(asked), f"busy {status}")
+                    refused.append(upstream_error(status, answer, f"decode rank {rank}"))
+                    if len(refused) < len(self.config.decode):
+                        continue
+                    raise self._busy_answer(refused[-1])
+                raise upstream_error(status, answer, f"decode rank {rank}",
+                                     {"retry-after": asked} if asked else None)
             call.telemetry = self.client.stream(call.request_id)
             return
+        if refused:
+            raise self._busy_answer(refused[-1])
         raise ProxyError(502, "no decode rank accepted the request", "upstream_error")
+
+    def _busy_answer(self, refusal: ProxyError) -> ProxyError:
+        """A rank's busy answer for the client, with a ``Retry-After`` of the whole seconds
+        until a held rank may be routed to again (at least 1)."""
+        wait = self.engines.held_for()
+        refusal.headers = {"retry-after": str(max(1, math.ceil(wait or 0.0)))}
+        return refusal
 
     def _end(self, call: Call, reason: str) -> None:
         self.client.fleet.finish(call.request_id, reason, time.monotonic())

@@ -60,6 +60,7 @@ _positive_float = _number(float, lambda v: 0 < v < math.inf, "a number",
 _body_bytes = _number(int, lambda v: v >= MIN_BODY_LIMIT, "a whole number of bytes",
                       f"must be >= {MIN_BODY_LIMIT} bytes")
 _rate = _number(float, lambda v: v > 0, "a number or 'inf'", "must be > 0 ('inf': all at once)")
+_requests = _number(int, lambda v: v >= 0, "a whole number of requests", "must be >= 0 requests")
 
 
 def add_commands(sub: Any, bench_sub: Any) -> None:
@@ -130,6 +131,10 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     emulate.add_argument("--mean-output", type=float, default=128.0,
                          help="mean output length without ignore_eos (default 128)")
     emulate.add_argument("--seed", type=int, default=0)
+    emulate.add_argument("--max-queued-requests", type=_requests, default=None, metavar="N",
+                         help="a rank answers 503 when N requests already wait beyond its "
+                              "batch, as SGLang's option of that name (default: no bound, as "
+                              "vLLM)")
     emulate.set_defaults(handler=cmd_emulate)
 
     serve = bench_sub.add_parser("serve", help="replay a trace against an OpenAI endpoint")
@@ -229,7 +234,8 @@ def cmd_emulate(args: argparse.Namespace) -> int:
 
     config = EmulatorConfig(workers=args.workers, batch=args.batch, step_cost=args.step_cost,
                             time_scale=args.time_scale, seed=args.seed,
-                            mean_output=args.mean_output, prefill_workers=args.prefill_workers)
+                            mean_output=args.mean_output, prefill_workers=args.prefill_workers,
+                            max_queued=args.max_queued_requests)
     try:
         run_async(serve(config, args.host, args.port))
     except KeyboardInterrupt:

@@ -90,6 +90,8 @@ class EmulatorConfig:
     kv_capacity: int = 1_000_000
     prefill_workers: int = 0
     log_steps: int = 200_000
+    max_queued: int | None = None  # waiting requests a rank keeps beyond its batch; 503 past
+    # it (SGLang's --max-queued-requests); None: no bound (vLLM)
 
 
 class Emulator:
@@ -98,6 +100,8 @@ class Emulator:
     def __init__(self, config: EmulatorConfig) -> None:
         if config.workers < 1 or config.batch < 1 or not config.time_scale > 0:
             raise ValueError("workers and batch must be >= 1 and time_scale > 0")
+        if config.max_queued is not None and config.max_queued < 0:
+            raise ValueError("max_queued must be >= 0")
         self.config = config
         self.ranks = [Rank(g, np.random.default_rng([config.seed, g]))
                       for g in range(config.workers)]
@@ -123,6 +127,13 @@ class Emulator:
         if self._wake is not None:
             self._wake.set()
         return request
+
+    def full(self, rank: int) -> bool:
+        """Whether ``rank`` refuses a new request: its queue beyond the batch is at
+        ``max_queued``."""
+        state = self.ranks[rank]
+        return (self.config.max_queued is not None and len(state.active) + len(state.queue)
+                >= self.config.batch + self.config.max_queued)
 
     def cancel(self, rank: int, request: EmuRequest) -> None:
         if request.finished is not None:
@@ -374,6 +385,9 @@ def build_app(emulator: Emulator, base_port: int) -> Starlette:
             out = responder.whole()
             out["kv_transfer_params"] = answer["kv_transfer_params"]
             return JSONResponse(out)
+        if emulator.full(rank):  # as SGLang's --max-queued-requests: busy, nothing ran
+            return JSONResponse({"object": "error", "message": "The request queue is full.",
+                                 "type": "ServiceUnavailable", "code": 503}, status_code=503)
         emu_request = emulator.submit(rank, body)
         responder = _Responder(body, chat, emu_request)
         if not body.get("stream"):

@@ -3,7 +3,10 @@
 A rank whose connection fails, or whose stream breaks mid-way, is marked down: the router
 skips it (:class:`proxy.dispatcher.RankMaskPolicy`), requests streaming from it fail on their
 own (their streams are cut) and a probe (``GET /v1/models`` every ``probe_interval_s``) brings
-it back. Every ``reconcile_interval_s`` the proxy
+it back. A rank that answers a request with 429 or 503 (busy: an engine's bounded queue is
+full, as SGLang's ``--max-queued-requests``) is up but held back: the router skips it for the
+seconds its ``Retry-After`` asks (:data:`HOLD_DEFAULT_S` without one; at most
+:data:`HOLD_MAX_S`), then routes to it again. Every ``reconcile_interval_s`` the proxy
 
 - drops mirrored requests on a rank that no live handler serves any more (ghosts; the proxy's
   own records are the reference, since vLLM's ``/metrics`` carries counts, not request ids);
@@ -16,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 
 import httpx
 
@@ -35,6 +40,25 @@ _METRIC = re.compile(
     re.M)
 
 
+HOLD_DEFAULT_S = 1.0  # a busy rank's pause without a Retry-After
+HOLD_MAX_S = 30.0  # a busy rank's longest pause, whatever its Retry-After asks
+
+
+def retry_after_s(value: str | None, now: float | None = None) -> float | None:
+    """``Retry-After``'s seconds, a number of seconds or an HTTP date (None if absent or
+    unreadable), not below 0."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = parsedate_to_datetime(value).timestamp() - (now or time.time())
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+    return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
 def engine_requests(metrics_text: str) -> int:
     """Running plus waiting requests in a vLLM-style ``/metrics`` page (summed over labels)."""
     return int(sum(float(m.group(3)) for m in _METRIC.finditer(metrics_text)))
@@ -48,6 +72,7 @@ class Engine:
     failures: int = 0
     last_error: str | None = None
     engine_requests: int | None = None
+    held_until: float = 0.0  # monotonic time a busy rank is held back until (0: not held)
 
 
 class EngineSet:
@@ -62,6 +87,7 @@ class EngineSet:
         self.probe_interval_s = probe_interval_s
         self.kind = kind
         self._probes: dict[int, asyncio.Task[None]] = {}
+        self._holds: dict[int, asyncio.Task[None]] = {}
 
     def url(self, rank: int) -> str:
         return self.engines[rank].url
@@ -81,6 +107,41 @@ class EngineSet:
         log.warning("%s rank %d (%s) marked down: %s", self.kind, rank, engine.url, reason)
         self._probes[rank] = asyncio.ensure_future(self._probe(rank))
 
+    def hold(self, rank: int, seconds: float | None, reason: str) -> float:
+        """Skip ``rank``, which is up but refused a request as busy, for ``seconds`` (its
+        ``Retry-After``; :data:`HOLD_DEFAULT_S` if None, at most :data:`HOLD_MAX_S`), or longer
+        if it is held already; the seconds it is now held for."""
+        engine = self.engines[rank]
+        seconds = min(HOLD_MAX_S, HOLD_DEFAULT_S if seconds is None else seconds)
+        self.metrics.engine_errors.labels(f"{self.kind}{rank}", reason).inc()
+        now = time.monotonic()
+        if now + seconds > engine.held_until:
+            engine.held_until = now + seconds
+            task = self._holds.pop(rank, None)
+            if task is not None:
+                task.cancel()
+            else:
+                log.warning("%s rank %d (%s) busy (%s): held back %.1f s", self.kind, rank,
+                            engine.url, reason, seconds)
+            self._holds[rank] = asyncio.ensure_future(self._release(rank, seconds))
+        self.up[rank] = False
+        return engine.held_until - now
+
+    def held_for(self) -> float | None:
+        """Seconds until the first held rank may be routed to again (None: none is held)."""
+        now = time.monotonic()
+        waits = [e.held_until - now for e in self.engines if e.held_until > now]
+        return max(0.0, min(waits)) if waits else None
+
+    async def _release(self, rank: int, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        engine = self.engines[rank]
+        engine.held_until = 0.0
+        self._holds.pop(rank, None)
+        if engine.up:  # a rank marked down meanwhile comes back by its probe
+            self.up[rank] = True
+            self.on_up()
+
     async def _probe(self, rank: int) -> None:
         engine = self.engines[rank]
         while True:
@@ -91,7 +152,7 @@ class EngineSet:
                 continue
             if response.status_code == 200:
                 engine.up = True
-                self.up[rank] = True
+                self.up[rank] = engine.held_until <= time.monotonic()
                 self._probes.pop(rank, None)
                 log.warning("%s rank %d (%s) is back", self.kind, rank, engine.url)
                 self.on_up()
@@ -126,5 +187,5 @@ class EngineSet:
                     engine.engine_requests)
 
     def close(self) -> None:
-        for task in self._probes.values():
+        for task in [*self._probes.values(), *self._holds.values()]:
             task.cancel()

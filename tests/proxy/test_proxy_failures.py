@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import UTC
+from typing import Any
 
 import httpx
 import openai
@@ -320,3 +322,105 @@ def test_two_phase_requests_through_a_prefill_instance_keep_min_tokens_to_the_ra
     assert refused.status_code == 400
     assert "min_tokens must be less than or equal to max_tokens=1" in refused.text
     assert_quiescent(proxy)
+
+
+def _occupy(url: str, max_tokens: int = 5000) -> tuple[httpx.Client, httpx.Response, Any]:
+    """A long stream sent to a rank directly (not through the proxy), begun: the rank's one
+    slot is taken behind the proxy's back. Close the client to end it; keep the chunk iterator
+    until then (collected, it closes the stream)."""
+    http = httpx.Client(timeout=60.0)
+    stream = http.send(http.build_request("POST", url + "/v1/completions", json={
+        "prompt": [3] * 50, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}),
+        stream=True)
+    assert stream.status_code == 200
+    chunks = stream.iter_raw()
+    next(chunks)  # the first token: the request runs
+    return http, stream, chunks
+
+
+@pytest.mark.timeout(90)
+def test_a_busy_rank_is_held_back_and_the_request_routed_again(launcher: Launcher):
+    """A rank that answers 503 (SGLang's bounded queue is full; the emulator's
+    ``--max-queued-requests``) ran nothing: the proxy holds it back for a second (no
+    Retry-After) and routes the request to another rank. When every rank refuses, the client
+    gets the engine's answer and a Retry-After; nothing is left in the proxy's state."""
+    full = launcher.emulator(workers=2, batch=1, extra=("--max-queued-requests", "0"))
+    spare = launcher.emulator(workers=1, batch=4)
+    busy = rank_urls(full, 2)
+    occupied = [_occupy(url) for url in busy]  # each rank of `full` runs its one request
+    try:
+        # eight requests for the proxy's eight slots: four go to the busy rank 0, which
+        # refuses them; each is routed again, to rank 1, as its slots free
+        mixed = launcher.proxy([busy[0], spare.url], batch=4)
+        assert asyncio.run(_run(mixed.url, 8, 5)) == [5] * 8
+        metrics = scrape(mixed)
+        assert metrics["balanceroute_proxy_engine_errors_total{kind=busy 503,rank=decode0}"] \
+            >= 1
+        assert metrics["balanceroute_proxy_requests_total{outcome=length}"] == 8
+        # held back for a second, then routable again
+        _wait_for(lambda: proxy_state(mixed)["up"] == [True, True], "the hold to end")
+        assert_quiescent(mixed)
+
+        refusing = launcher.proxy(busy, batch=4)
+        with httpx.Client(timeout=30.0) as http:
+            answer = http.post(refusing.url + "/v1/completions",
+                               json={"prompt": "x", "max_tokens": 5})
+        assert answer.status_code == 503
+        assert answer.json()["message"] == "The request queue is full."  # the engine's words
+        assert 1 <= int(answer.headers["retry-after"]) <= 2
+        metrics = scrape(refusing)
+        assert [metrics.get(f"balanceroute_proxy_engine_errors_total{{kind=busy 503,rank="
+                            f"decode{g}}}") for g in (0, 1)] == [1, 1]
+        assert metrics["balanceroute_proxy_requests_total{outcome=rejected}"] == 1
+        assert_quiescent(refusing)
+    finally:
+        for http, stream, _chunks in occupied:
+            stream.close()
+            http.close()
+
+
+def test_retry_after_reads_seconds_and_http_dates():
+    from datetime import datetime, timedelta
+    from email.utils import format_datetime
+
+    from proxy.engines import retry_after_s
+
+    assert retry_after_s("3") == 3.0
+    assert retry_after_s(" 1.5 ") == 1.5
+    assert retry_after_s(None) is None
+    assert retry_after_s("soon") is None
+    assert retry_after_s("inf") is None
+    assert retry_after_s("-4") == 0.0
+    now = datetime(2026, 12, 4, 12, 0, 0, tzinfo=UTC)
+    date = format_datetime(now + timedelta(seconds=7), usegmt=True)
+    assert retry_after_s(date, now=now.timestamp()) == pytest.approx(7.0)
+    assert retry_after_s(format_datetime(now - timedelta(seconds=7), usegmt=True),
+                         now=now.timestamp()) == 0.0
+
+
+def test_a_busy_ranks_hold_follows_its_retry_after_within_bounds():
+    """``EngineSet.hold``: the rank's Retry-After, 1 s without one, 30 s at most; a longer
+    hold is kept over a shorter one; the rank is routable again when it ends."""
+    from proxy.engines import HOLD_DEFAULT_S, HOLD_MAX_S, EngineSet
+    from proxy.metrics import ProxyMetrics
+
+    async def scenario():
+        woken = []
+        engines = EngineSet(["http://127.0.0.1:1", "http://127.0.0.1:2"], httpx.AsyncClient(),
+                            ProxyMetrics(), lambda: woken.append(1))
+        try:
+            assert engines.hold(0, None, "busy 503") == pytest.approx(HOLD_DEFAULT_S, abs=0.05)
+            assert engines.up == [False, True]
+            assert engines.hold(1, 3600.0, "busy 429") == pytest.approx(HOLD_MAX_S, abs=0.05)
+            assert engines.hold(1, 0.1, "busy 429") == pytest.approx(HOLD_MAX_S, abs=0.05)
+            assert engines.held_for() == pytest.approx(HOLD_DEFAULT_S, abs=0.05)
+            assert engines.hold(0, 0.05, "busy 503") > 0.5  # the longer hold stays
+            await asyncio.sleep(HOLD_DEFAULT_S + 0.2)
+            assert engines.up == [True, False] and woken == [1]
+            assert engines.held_for() == pytest.approx(HOLD_MAX_S - HOLD_DEFAULT_S - 0.2,
+                                                       abs=0.2)
+        finally:
+            engines.close()
+            await engines.http.aclose()
+
+    asyncio.run(scenario())

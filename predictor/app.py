@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, HTTPException, Request
@@ -24,6 +24,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 from swagger_ui_bundle import swagger_ui_path
 
 from .abjobs import AbJobRunner
@@ -69,11 +70,20 @@ class TokenGate:
 
 class RequestMetrics:
     """ASGI middleware: count requests and time them up to the last byte of the answer (not
-    the background work after it), labelled by route template."""
+    the background work after it), labelled by route template. A request answered before it
+    was routed (a 401 of the token gate; a 413, 408 or budget 503 of :class:`BodyLimit`) is
+    labelled by the route its path and method match in ``routes``, ``unmatched`` if none."""
 
-    def __init__(self, app, metrics: Metrics) -> None:
+    def __init__(self, app, metrics: Metrics, routes: Sequence[BaseRoute] = ()) -> None:
         self.app = app
         self.metrics = metrics
+        self.routes = routes
+
+    def _route_of(self, scope) -> str:
+        route = scope.get("route")
+        if route is None:
+            route = next((r for r in self.routes if r.matches(scope)[0] is Match.FULL), None)
+        return getattr(route, "path", "unmatched")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -87,7 +97,7 @@ class RequestMetrics:
             if observed:
                 return
             observed = True
-            endpoint = getattr(scope.get("route"), "path", "unmatched")
+            endpoint = self._route_of(scope)
             self.metrics.requests.labels(endpoint, scope["method"], str(status)).inc()
             self.metrics.latency.labels(endpoint, scope["method"]).observe(
                 time.perf_counter() - started)
@@ -275,7 +285,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                           settings.max_body_bytes))
     app.add_middleware(TokenGate, token=settings.api_token)  # outside BodyLimit: checked first
 
-    app.add_middleware(RequestMetrics, metrics=metrics)
+    app.add_middleware(RequestMetrics, metrics=metrics,
+                       routes=[route for router in ROUTERS for route in router.routes])
 
     _error_handlers(app)
 

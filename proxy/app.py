@@ -307,11 +307,13 @@ class Proxy:
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
         except (orjson.JSONDecodeError, ValueError) as exc:
+            self.metrics.requests.labels("invalid").inc()
             return ProxyError(400, f"invalid JSON body: {exc}", "invalid_request_error"
                               ).response()
         headers, problem = _forwarded_headers(request)
         problem = problem or body_problem(body, chat)
         if problem is not None:
+            self.metrics.requests.labels("invalid").inc()
             return ProxyError(400, problem, "invalid_request_error").response()
         self.calls += 1
         call = Call(f"br-{uuid.uuid4().hex}", chat, bool(body.get("stream")),
@@ -654,8 +656,15 @@ def build_app(config: ProxyConfig) -> Starlette:
         Route("/readyz", readyz, methods=["GET"]),
         Route("/proxy/state", proxy.state, methods=["GET"]),
     ], lifespan=lifespan)
+    def body_refused(status: int, message: str) -> dict[str, Any]:
+        # counted with the requests the proxy refuses itself: a 413 is invalid input (as a
+        # 400), the budget's 503 a rejection (as the pool's 429), a 408 an error
+        outcome = {413: "invalid", 503: "rejected"}.get(status, "error")
+        proxy.metrics.requests.labels(outcome).inc()
+        return _body_error(status, message)
+
     # a body past the limit gets its 413 before it is read whole, let alone parsed
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes, error=_body_error,
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes, error=body_refused,
                        budget=body_budget(config.max_inflight_body_bytes,
                                           config.max_body_bytes))
     app.state.proxy = proxy

@@ -71,3 +71,23 @@ def test_the_gate_never_receives_the_body():
              "headers": [(b"content-length", b"999999999")]}
     asyncio.run(gate(scope, receive, send))
     assert sent[0]["status"] == 401
+
+
+def test_requests_refused_before_routing_are_counted_under_their_route(client):
+    """The token gate's 401 and the body limit's 413 answer before the app routes: they are
+    counted under the route the path matches (they once all went to ``unmatched``); a path
+    no route serves stays ``unmatched``."""
+    assert client.post("/v1/observations", content=b"{}").status_code == 401
+    auth = {"authorization": "Bearer s3cret", "content-type": "application/json"}
+    assert client.post("/v1/observations", content=b"x" * 10_000,
+                       headers=auth).status_code == 413
+    assert client.delete("/v1/tunings/" + "a" * 32).status_code == 401
+    assert client.get("/v1/nowhere").status_code == 404
+    metrics = client.get("/metrics").text
+    for endpoint, method, status in (("/v1/observations", "POST", 401),
+                                     ("/v1/observations", "POST", 413),
+                                     ("/v1/tunings/{job_id}", "DELETE", 401),
+                                     ("unmatched", "GET", 404)):
+        assert (f'balanceroute_http_requests_total{{endpoint="{endpoint}",method="{method}",'
+                f'status="{status}"}} 1.0') in metrics, (endpoint, status)
+    assert 'endpoint="unmatched",method="POST"' not in metrics

@@ -9,7 +9,14 @@ import httpx
 import openai
 import pytest
 
-from .conftest import Launcher, assert_quiescent, poll_until, proxy_state, rank_urls
+from .conftest import (
+    Launcher,
+    assert_quiescent,
+    poll_until,
+    proxy_state,
+    rank_urls,
+    scrape,
+)
 
 G, B = 2, 2
 BODY_LIMIT = 65536  # the proxy's --max-body-bytes here
@@ -258,6 +265,9 @@ def _emulated_finished(emulator) -> int:
     return sum(r["finished"] + r["cancelled"] for r in ranks)
 
 
+REJECTED = "balanceroute_proxy_requests_total{outcome=rejected}"
+
+
 @pytest.mark.timeout(60)
 def test_bodies_held_at_once_past_the_budget_get_a_503_until_one_is_answered(fleet):
     """The budget is one full body here: while a 40 kB request streams, a second one of 40
@@ -273,9 +283,11 @@ def test_bodies_held_at_once_past_the_budget_get_a_503_until_one_is_answered(fle
         reader = response.iter_raw()  # kept: a collected reader closes the stream
         next(reader)  # admitted and streaming: its body is held
         dispatched = proxy_state(proxy)["counters"]["dispatched"]
+        rejected = scrape(proxy).get(REJECTED, 0.0)
         refused = client.post(proxy.url + "/v1/completions",
                               json={"model": "m", "prompt": prompt, "max_tokens": 2})
         assert refused.status_code == 503, refused.text
+        assert scrape(proxy)[REJECTED] == rejected + 1  # counted, though the handler never ran
         assert refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "server_busy"
         assert proxy_state(proxy)["counters"]["dispatched"] == dispatched

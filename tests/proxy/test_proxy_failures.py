@@ -280,8 +280,9 @@ def test_proxy_options_wrong_together_are_an_error_not_a_traceback(capsys):
 
 
 def test_the_proxys_body_bounds_answer_openai_style_naming_the_option():
-    """The 413 through the proxy's app, and how the proxy words the budget's 503 and the
-    408 (both exercised live in test_proxy_e2e.py and in tests/predictor/test_asgi.py)."""
+    """The 413 through the proxy's app, counted in its metrics, and how the proxy words the
+    budget's 503 and the 408 (both exercised live in test_proxy_e2e.py and in
+    tests/predictor/test_asgi.py)."""
     from starlette.testclient import TestClient
 
     from proxy.app import ProxyConfig, _body_error, build_app
@@ -293,6 +294,11 @@ def test_the_proxys_body_bounds_answer_openai_style_naming_the_option():
         assert answer.status_code == 413
         assert answer.json()["error"]["message"] == \
             "request body over the limit of 1024 bytes (--max-body-bytes)"
+        assert client.post("/v1/completions", content=b"{not json").status_code == 400
+        # both counted as invalid input (the 413 answered before the proxy's handler ran,
+        # once not counted at all, nor the 400)
+        assert 'balanceroute_proxy_requests_total{outcome="invalid"} 2.0' in \
+            client.get("/metrics").text
     busy = _body_error(503, "the server holds 4096 bytes")
     assert busy["error"]["type"] == "server_busy"
     assert busy["error"]["message"].endswith("(--max-inflight-body-bytes)")

@@ -34,7 +34,7 @@ from .api.contributions import router as contributions_router
 from .api.deps import token_ok
 from .asgi import BodyLimit, body_budget, replay_body
 from .metrics import Metrics, refresh_gauges
-from .schemas import CONTRIBUTIONS_IN, parse_contributions
+from .schemas import CONTRIBUTIONS_IN, parse_contributions, unknown_field_errors
 from .service import PredictorService
 from .settings import Settings
 from .store import make_engine
@@ -192,6 +192,7 @@ def _answer_if_free(body, service: PredictorService, metrics: Metrics,
 
 
 BODY_UNPARSED = "There was an error parsing the body"  # FastAPI's 400 detail
+MAX_ERRORS_LISTED = 50  # in a 422 (the schemas keep a bad body's errors few: see schemas.py)
 
 
 def _unreadable(cause: BaseException | None) -> str:
@@ -211,7 +212,11 @@ def _error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         # Never echo inputs back: a prompt's text must not leave the request.
         raw = exc.errors()
-        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in raw]
+        errors = [{k: v for k, v in named.items() if k in ("loc", "msg", "type")}
+                  for e in raw[:MAX_ERRORS_LISTED] for named in unknown_field_errors(e)]
+        if len(raw) > MAX_ERRORS_LISTED:
+            errors.append({"loc": ["body"], "type": "too_many_errors",
+                           "msg": f"{len(raw) - MAX_ERRORS_LISTED} more errors, not listed"})
         if len(raw) == 1 and raw[0]["type"] == "model_attributes_type" and isinstance(
                 raw[0].get("input"), bytes):  # FastAPI did not read the body as JSON
             # FastAPI reads the body as JSON only when the request says it is (curl -d sends

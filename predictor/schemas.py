@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import UTC, datetime
+from itertools import islice
 from typing import (
     Annotated,
     Literal,
@@ -22,6 +23,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from typing_extensions import TypedDict
 
 from router_client.admission import (
@@ -91,10 +93,59 @@ EstimatorName = Annotated[str, AfterValidator(known_estimator), Field(
     "registered estimator: `survival`, `exact_match` and any added to the registry")]
 
 
-class _Keyed(BaseModel):
+# Unknown fields. ``extra="forbid"`` makes one error per unknown key, so one body of a few
+# million made-up keys (within the size limit) once took gigabytes and a minute to refuse,
+# with a 280 MB answer. Every body is read with unknown keys let in (the schemas still
+# document none) and refused with one error per object that has any (:class:`_Closed`; the
+# contributions bodies, TypedDicts on the hot path, in :func:`check_known_fields`), naming at
+# most ``UNKNOWN_LISTED``; lists stop at their first bad entry (``fail_fast``). So a bad body
+# costs about what a good one of its size does.
+_OPEN = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
+L = TypeVar("L")
+FailFast = Annotated[L, Field(fail_fast=True)]
+UNKNOWN_LISTED = 10
+
+
+class _Closed(BaseModel):
+    """A body object with no unknown field: one ``extra_forbidden`` error naming the first
+    ``UNKNOWN_LISTED`` of them if it has any (``ctx``: ``fields``, and how many ``more``; the
+    422 lists each at its own location, as ``extra="forbid"`` does: see
+    :func:`unknown_field_errors`)."""
+
+    model_config = _OPEN
+
+    @model_validator(mode="after")
+    def _no_unknown_fields(self) -> _Closed:
+        extra = self.__pydantic_extra__
+        if extra:
+            fields = list(islice(extra, UNKNOWN_LISTED))
+            more = len(extra) - len(fields)
+            raise PydanticCustomError(
+                "extra_forbidden", "Extra inputs are not permitted: {listed}",
+                {"listed": ", ".join(map(repr, fields)) + (f" and {more} more" if more else ""),
+                 "fields": fields, "more": more})
+        return self
+
+
+
+def unknown_field_errors(error: dict) -> list[dict]:
+    """A :class:`_Closed` object's one ``extra_forbidden`` error (``loc``, ``msg``, ``type``,
+    ``ctx``) as ``extra="forbid"`` words it: one error at each field it names, then one
+    counting those not named; any other error as it is."""
+    ctx = error.get("ctx") or {}
+    if error.get("type") != "extra_forbidden" or "fields" not in ctx:
+        return [error]
+    loc = list(error["loc"])
+    out = [{"type": "extra_forbidden", "loc": [*loc, field], "msg": "Extra inputs are not "
+            "permitted"} for field in ctx["fields"]]
+    if ctx.get("more"):
+        out.append({"type": "extra_forbidden", "loc": loc,
+                    "msg": f"{ctx['more']} more unknown fields, not listed"})
+    return out
+
+class _Keyed(_Closed):
     """``prompt_key``, or the xxh3_64 hex of ``prompt`` (see :meth:`key`)."""
 
-    model_config = ConfigDict(extra="forbid")
 
     prompt_key: PromptKey | None = None
     prompt: PromptText | None = Field(None, repr=False,
@@ -122,11 +173,10 @@ class ObservationIn(_Keyed):
         return value
 
 
-class ObservationsIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ObservationsIn(_Closed):
     observations: list[ObservationIn] = Field(
-        ..., description="at most BALANCEROUTE_MAX_OBSERVATIONS_PER_BATCH (default 10000)"
-    )
+        ..., fail_fast=True,
+        description="at most BALANCEROUTE_MAX_OBSERVATIONS_PER_BATCH (default 10000)")
 
 
 class ObservationsOut(BaseModel):
@@ -139,7 +189,7 @@ class ContributionItem(TypedDict):
     """An active request. TypedDicts, not models, on this hot path: validated straight from
     the JSON bytes into plain dicts, without building 1024 model instances per query."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
+    __pydantic_config__ = _OPEN  # type: ignore[misc]
     request_id: RequestId
     prompt_key: NotRequired[PromptKey | None]
     prompt: NotRequired[PromptText | None]
@@ -153,22 +203,22 @@ class ContributionColumns(TypedDict):
     on both sides. Every array given must have as many entries as ``request_id``; ``null``
     in ``prompt_key``, ``prompt`` or ``prompt_tokens`` is that request's field left out."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
-    request_id: list[RequestId]
-    prompt_key: NotRequired[list[PromptKey | None]]
-    prompt: NotRequired[list[PromptText | None]]
-    prompt_tokens: NotRequired[list[TokenCount | None]]
-    generated_tokens: list[TokenCount]
+    __pydantic_config__ = _OPEN  # type: ignore[misc]
+    request_id: FailFast[list[RequestId]]
+    prompt_key: NotRequired[FailFast[list[PromptKey | None]]]
+    prompt: NotRequired[FailFast[list[PromptText | None]]]
+    prompt_tokens: NotRequired[FailFast[list[TokenCount | None]]]
+    generated_tokens: FailFast[list[TokenCount]]
 
 
 class ContributionsIn(TypedDict):
     """``items`` or ``columns`` (exactly one); the answer comes in the same layout."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
+    __pydantic_config__ = _OPEN  # type: ignore[misc]
     horizon: NotRequired[Horizon | None]
     estimator: NotRequired[EstimatorName]
     items: NotRequired[Annotated[list[ContributionItem], Field(
-        description="at most BALANCEROUTE_MAX_ITEMS_PER_QUERY (default 65536)")]]
+        fail_fast=True, description="at most BALANCEROUTE_MAX_ITEMS_PER_QUERY (default 65536)")]]
     columns: NotRequired[Annotated[ContributionColumns, Field(
         description="the items as one array per field; at most "
                     "BALANCEROUTE_MAX_ITEMS_PER_QUERY entries")]]
@@ -182,7 +232,7 @@ CONTRIBUTIONS_IN = TypeAdapter(ContributionsIn)
 # and bytes that are not UTF-8), so a body with no ``\u`` in it needs no such check: the
 # check is a Python call per string, about 0.8 ms of a 1,024-item query.
 class _PlainContributionItem(TypedDict):
-    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
+    __pydantic_config__ = _OPEN  # type: ignore[misc]
     request_id: RequestIdText
     prompt_key: NotRequired[PromptKeyText | None]
     prompt: NotRequired[str | None]
@@ -191,19 +241,19 @@ class _PlainContributionItem(TypedDict):
 
 
 class _PlainContributionColumns(TypedDict):
-    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
-    request_id: list[RequestIdText]
-    prompt_key: NotRequired[list[PromptKeyText | None]]
-    prompt: NotRequired[list[str | None]]
-    prompt_tokens: NotRequired[list[TokenCount | None]]
-    generated_tokens: list[TokenCount]
+    __pydantic_config__ = _OPEN  # type: ignore[misc]
+    request_id: FailFast[list[RequestIdText]]
+    prompt_key: NotRequired[FailFast[list[PromptKeyText | None]]]
+    prompt: NotRequired[FailFast[list[str | None]]]
+    prompt_tokens: NotRequired[FailFast[list[TokenCount | None]]]
+    generated_tokens: FailFast[list[TokenCount]]
 
 
 class _PlainContributionsIn(TypedDict):
-    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
+    __pydantic_config__ = _OPEN  # type: ignore[misc]
     horizon: NotRequired[Horizon | None]
     estimator: NotRequired[EstimatorName]
-    items: NotRequired[list[_PlainContributionItem]]
+    items: NotRequired[FailFast[list[_PlainContributionItem]]]
     columns: NotRequired[_PlainContributionColumns]
 
 
@@ -216,10 +266,57 @@ def parse_contributions(raw: bytes) -> ContributionsIn:
     errors come from ``CONTRIBUTIONS_IN`` itself)."""
     if b"\\u" not in raw:
         try:
-            return _PLAIN_CONTRIBUTIONS_IN.validate_json(raw)
+            body = _PLAIN_CONTRIBUTIONS_IN.validate_json(raw)
         except ValidationError:
             pass  # the errors are reported as the full schema words them
-    return CONTRIBUTIONS_IN.validate_json(raw)
+        else:
+            return check_known_fields(body)
+    return check_known_fields(CONTRIBUTIONS_IN.validate_json(raw))
+
+
+def _unknown_keys(known: frozenset[str], value: dict, loc: tuple, found: list[tuple]) -> int:
+    """How many keys of ``value`` are not ``known``; the locations of the first ones go to
+    ``found``, up to ``UNKNOWN_LISTED`` in all."""
+    unknown = len(value) - len(known.intersection(value))
+    for key in value:
+        if len(found) >= UNKNOWN_LISTED:
+            break
+        if key not in known:
+            found.append((*loc, key))
+    return unknown
+
+
+def _keys(typed_dict: type) -> frozenset[str]:
+    return frozenset(typed_dict.__required_keys__ | typed_dict.__optional_keys__)  # type: ignore[attr-defined]
+
+
+_BODY_KEYS, _COLUMN_KEYS, _ITEM_KEYS = (
+    _keys(ContributionsIn), _keys(ContributionColumns), _keys(ContributionItem))
+
+
+def check_known_fields(body: ContributionsIn) -> ContributionsIn:
+    """``body`` if it has no field the schema does not know; else a ``ValidationError`` with an
+    ``extra_forbidden`` error at each of the first ``UNKNOWN_LISTED`` (as ``extra="forbid"``
+    words them) and one counting the rest."""
+    found: list[tuple] = []
+    unknown = _unknown_keys(_BODY_KEYS, body, (), found)  # type: ignore[arg-type]
+    columns = body.get("columns")
+    if columns is not None:
+        unknown += _unknown_keys(_COLUMN_KEYS, columns, ("columns",), found)  # type: ignore[arg-type]
+    items = body.get("items") or ()
+    if not all(map(_ITEM_KEYS.issuperset, items)):  # C-speed; the loop only on a bad body
+        for number, item in enumerate(items):
+            if not _ITEM_KEYS.issuperset(item):
+                unknown += _unknown_keys(_ITEM_KEYS, item, ("items", number), found)  # type: ignore[arg-type]
+    if not unknown:
+        return body
+    errors: list[InitErrorDetails] = [{"type": "extra_forbidden", "loc": loc, "input": None}
+                                      for loc in found]
+    if unknown > len(found):
+        errors.append({"type": PydanticCustomError(
+            "extra_forbidden", "{more} more unknown fields, not listed",
+            {"more": unknown - len(found)}), "loc": (), "input": None})
+    raise ValidationError.from_exception_data("ContributionsIn", errors)
 
 
 def prompt_key_of(key: str | None, text: str | None) -> str | None:
@@ -340,8 +437,7 @@ class ReadyOut(BaseModel):
     database: bool
 
 
-class TraceIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TraceIn(_Closed):
     format: Literal["auto", "azure", "mooncake", "sharegpt", "burstgpt", "csv"] = "auto"
     content: str = Field(..., min_length=1, description="the trace file's text")
 
@@ -362,10 +458,9 @@ def _checked(check: Callable[[T], None], value: T) -> T:
     return value
 
 
-class ReplayIn(BaseModel):
+class ReplayIn(_Closed):
     """What every simulated replay takes (A/B comparisons and tunings)."""
 
-    model_config = ConfigDict(extra="forbid")
     batch: Annotated[int, Field(strict=True, ge=1, le=1024)] = 64
     load: float | Literal["backlog"] = Field(
         1.0, description=f"arrivals as a share of the fleet's capacity, {MIN_LOAD:g} to "
@@ -460,8 +555,7 @@ class AbComparisonIn(ReplayIn):
         return self
 
 
-class GridPoint(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class GridPoint(_Closed):
     horizon: Horizon
     beta: Annotated[float, Field(ge=0, le=1e6)] | None = Field(
         None, description="overflow weight; null: alpha * G (each step on BR-0's scale)")

@@ -76,14 +76,14 @@ BODIES = [
 @pytest.mark.parametrize("dump", [json.dumps, lambda b: json.dumps(b, ensure_ascii=False)])
 def test_contributions_fast_parse_is_the_schema(body, dump):
     """The hot path skips the NUL/surrogate check for bodies without a ``\\u`` escape: same
-    value, same errors as the full schema on every body."""
+    value, same errors as the full schema (and its check of unknown fields) on every body."""
     from pydantic import ValidationError
 
-    from predictor.schemas import CONTRIBUTIONS_IN, parse_contributions
+    from predictor.schemas import CONTRIBUTIONS_IN, check_known_fields, parse_contributions
 
     raw = dump(body).encode("utf-8", "surrogatepass")
     try:
-        expected = CONTRIBUTIONS_IN.validate_json(raw)
+        expected = check_known_fields(CONTRIBUTIONS_IN.validate_json(raw))
     except ValidationError as exc:
         with pytest.raises(ValidationError) as got:
             parse_contributions(raw)

@@ -127,7 +127,6 @@ class _Closed(BaseModel):
         return self
 
 
-
 def unknown_field_errors(error: dict) -> list[dict]:
     """A :class:`_Closed` object's one ``extra_forbidden`` error (``loc``, ``msg``, ``type``,
     ``ctx``) as ``extra="forbid"`` words it: one error at each field it names, then one
@@ -143,9 +142,9 @@ def unknown_field_errors(error: dict) -> list[dict]:
                     "msg": f"{ctx['more']} more unknown fields, not listed"})
     return out
 
+
 class _Keyed(_Closed):
     """``prompt_key``, or the xxh3_64 hex of ``prompt`` (see :meth:`key`)."""
-
 
     prompt_key: PromptKey | None = None
     prompt: PromptText | None = Field(None, repr=False,

@@ -382,7 +382,7 @@ class Proxy:
         # bounds only the ambiguous failures (a kept-alive connection closed under us).
         # A rank answering busy (429, 503) is held back and the request routed again; once as
         # many refusals as ranks, the last goes to the client, with a Retry-After.
-        ambiguous, refused = 0, []
+        ambiguous, refusals, refused = 0, 0, None
         for attempt in range(1 + self.config.retries + len(self.config.decode)):
             if ambiguous > self.config.retries:
                 break
@@ -417,16 +417,17 @@ class Proxy:
                 asked = call.response.headers.get("retry-after")
                 if status in BUSY:
                     self.engines.hold(rank, retry_after_s(asked), f"busy {status}")
-                    refused.append(upstream_error(status, answer, f"decode rank {rank}"))
-                    if len(refused) < len(self.config.decode):
+                    refusals += 1
+                    refused = upstream_error(status, answer, f"decode rank {rank}")
+                    if refusals < len(self.config.decode):
                         continue
-                    raise self._busy_answer(refused[-1])
+                    raise self._busy_answer(refused)
                 raise upstream_error(status, answer, f"decode rank {rank}",
                                      {"retry-after": asked} if asked else None)
             call.telemetry = self.client.stream(call.request_id)
             return
-        if refused:
-            raise self._busy_answer(refused[-1])
+        if refused is not None:
+            raise self._busy_answer(refused)
         raise ProxyError(502, "no decode rank accepted the request", "upstream_error")
 
     def _busy_answer(self, refusal: ProxyError) -> ProxyError:
@@ -656,6 +657,7 @@ def build_app(config: ProxyConfig) -> Starlette:
         Route("/readyz", readyz, methods=["GET"]),
         Route("/proxy/state", proxy.state, methods=["GET"]),
     ], lifespan=lifespan)
+
     def body_refused(status: int, message: str) -> dict[str, Any]:
         # counted with the requests the proxy refuses itself: a 413 is invalid input (as a
         # 400), the budget's 503 a rejection (as the pool's 429), a 408 an error

@@ -7,10 +7,12 @@ the proxy (the policy is given to RouterClient's constructor already wrapped):
   baseline from ``router_client.policies.make_policy``): ranks that are down show no free
   slot, and the stats of the last round are kept for metrics.
 - :class:`BackgroundPredictor` makes prediction refresh non-blocking: ``predict`` answers at
-  once from the last completed refresh (requests it has not seen get the prior ``H``) and
-  starts the next refresh on a worker thread; a failed, drifted or stale (``max_age_s``)
-  answer is ``Prediction(None)``, so RouterClient falls back to BR-0 as usual. Predictions are
-  therefore one refresh old; RouterClient ages them by the ticks since.
+  once from the last completed refresh (``c_hat``, the two-point law and the service's
+  recommendation; requests it has not seen get the prior ``H``) and starts the next refresh
+  on a worker thread; before the first answer it is ``warming`` (BR-0, not a failure); a
+  failed or stale (``max_age_s``) answer is ``Prediction(None)`` and a drifted one flagged,
+  so RouterClient falls back to BR-0 as usual. Predictions are therefore one refresh old;
+  RouterClient ages them by the ticks since.
 
 Rounds run on the event loop (BR-0/BR-H rounds take about a millisecond at G = 8); a wake-up
 coalesces every arrival and freed slot since the previous round. BR may leave a free slot
@@ -83,16 +85,27 @@ class RankMaskPolicy:
 
 
 class BackgroundPredictor:
-    """A :class:`Predictor` whose ``predict`` never waits on the network."""
+    """A :class:`Predictor` whose ``predict`` never waits on the network.
+
+    It answers from the last completed refresh, everything the inner predictor gave: ``c_hat``,
+    the two-point law (``p_fin``, ``mu_rem``) and the service's recommendation. A request the
+    refresh did not ask about gets the prior: ``c_hat = H``, not ending within the window.
+    Before the first answer it says ``warming`` (not a failure); a failed, drifted or stale
+    answer is ``Prediction(None)`` (drifted: flagged), so RouterClient falls back to BR-0.
+    """
 
     def __init__(self, inner: Predictor, max_age_s: float = 10.0) -> None:
         self.inner = inner
         self.name = getattr(inner, "name", "background")
         self.max_age_s = max_age_s
         self.lock = threading.Lock()
-        self.answer: dict[str, float] | None = None
+        # request id -> (c_hat, p_fin, mu_rem); p_fin/mu_rem NaN when the answer had none
+        self.answer: dict[str, tuple[float, float, float]] | None = None
+        self.has_law = False
+        self.recommendation: dict | None = None
         self.drifted = False
         self.answered_at = 0.0
+        self.answered_once = False  # any refresh came back, answer or failure
         self.running = False
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="prediction-refresh")
 
@@ -101,14 +114,23 @@ class BackgroundPredictor:
             if not self.running:
                 self.running = True
                 self.executor.submit(self._refresh, batch, horizon)
-            answer, drifted = self.answer, self.drifted
+            answer, drifted, has_law = self.answer, self.drifted, self.has_law
+            recommendation, answered_once = self.recommendation, self.answered_once
             stale = time.monotonic() - self.answered_at > self.max_age_s
+        if not answered_once:
+            return Prediction(None, warming=True)
         if answer is None or stale:
             return Prediction(None)
-        c_hat = np.fromiter((answer.get(str(r), float(horizon))
-                             for r in batch.request_ids.tolist()), np.float64,
-                            len(batch.request_ids))
-        return Prediction(c_hat, drifted=drifted)
+        prior = (float(horizon), 0.0, float(horizon))  # unseen: runs through the window
+        rows = [answer.get(str(r), prior) for r in batch.request_ids.tolist()]
+        n = len(rows)
+        c_hat = np.fromiter((row[0] for row in rows), np.float64, n)
+        p_fin = mu_rem = None
+        if has_law:
+            p_fin = np.fromiter((row[1] for row in rows), np.float64, n)
+            mu_rem = np.fromiter((row[2] for row in rows), np.float64, n)
+        return Prediction(c_hat, drifted=drifted, recommendation=recommendation,
+                          p_fin=p_fin, mu_rem=mu_rem)
 
     def _refresh(self, batch: ActiveBatch, horizon: int) -> None:
         try:
@@ -118,12 +140,22 @@ class BackgroundPredictor:
             prediction = Prediction(None)
         with self.lock:
             self.running = False
+            self.answered_once = True
             if prediction.c_hat is None:
                 self.answer = None
                 return
-            self.answer = dict(zip((str(r) for r in batch.request_ids.tolist()),
-                                   prediction.c_hat.tolist(), strict=True))
+            ids = [str(r) for r in batch.request_ids.tolist()]
+            c_hat = np.asarray(prediction.c_hat, dtype=np.float64).tolist()
+            self.has_law = prediction.p_fin is not None and prediction.mu_rem is not None
+            laws: list[tuple[float, float]] = [(math.nan, math.nan)] * len(ids)
+            if self.has_law:
+                laws = list(zip(np.asarray(prediction.p_fin, dtype=np.float64).tolist(),
+                                np.asarray(prediction.mu_rem, dtype=np.float64).tolist(),
+                                strict=True))
+            self.answer = {r: (c, p, m) for r, c, (p, m) in zip(ids, c_hat, laws, strict=True)}
             self.drifted = prediction.drifted
+            if prediction.recommendation is not None:
+                self.recommendation = prediction.recommendation
             self.answered_at = time.monotonic()
 
     def observe(self, finished: FinishedBatch) -> None:

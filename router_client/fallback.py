@@ -5,6 +5,8 @@ A failed refresh (timeout, error, unreachable) or an answer flagged ``drifted`` 
 at once: the very next round routes without predictions. Returning to BR-H takes
 ``healthy_to_return`` consecutive healthy refreshes (default 3), so a flapping service does not
 make the router flap. Every switch is logged, kept in ``switches`` and counted in Prometheus.
+The gauge ``balanceroute_router_brh_active`` is 1 while BR-H uses predictions: 0 until the
+first refresh says it may (so 0 for ever on a router that runs BR-0 or a baseline).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class FallbackController:
         if self.healthy_to_return < 1:
             raise ValueError("healthy_to_return must be >= 1")
         if self.metrics:
-            self.metrics.mode.set(1.0 if self.mode == BRH else 0.0)
+            self.metrics.mode.set(0.0)  # nothing used yet, whatever the mode allows
 
     def on_refresh(self, step: int, healthy: bool, reason: str = "ok") -> bool:
         """Record a refresh outcome; returns whether BR-H may use predictions now."""
@@ -68,6 +70,8 @@ class FallbackController:
                 self.metrics.refresh_failures.labels(reason).inc()
             if self.mode == BRH:
                 self._switch(step, BR0, reason)
+        if self.metrics:
+            self.metrics.mode.set(1.0 if self.mode == BRH else 0.0)
         return self.mode == BRH
 
     def _switch(self, step: int, to: str, reason: str) -> None:
@@ -76,4 +80,3 @@ class FallbackController:
         log.warning("router switches to %s at step %d: %s", to.upper(), step, reason)
         if self.metrics:
             self.metrics.switches.labels(to, reason.split(":")[0]).inc()
-            self.metrics.mode.set(1.0 if to == BRH else 0.0)

@@ -9,6 +9,8 @@
   ``drifted`` is unhealthy; the :class:`~router_client.fallback.FallbackController` decides
   whether BR-H may use predictions (BR-0 at once on an unhealthy refresh,
   ``healthy_to_return`` healthy ones to come back).
+- **Warming up**: an answer flagged ``warming`` (no answer yet, the first query running)
+  routes as BR-0 without consulting the controller and is asked again at the next step.
 - **Aging** between refreshes (:func:`aged_c_hat`): an answer given ``e`` steps ago is
   ``max(c_hat - e, 1)`` now; an answer at the cap H stays at H. A waiting request's life
   starts when it is admitted (:meth:`on_admit`), not when it was asked about.
@@ -36,7 +38,7 @@ class Refresh:
 
     step: int
     healthy: bool
-    reason: str  # ok | unavailable | drifted
+    reason: str  # ok | unavailable | drifted | warming
     use_predictions: bool
 
 
@@ -79,8 +81,12 @@ class PredictionCache:
         clocks start now), the rest are waiting (their clocks start at admission)."""
         if self.predictor is None:
             raise ValueError("no predictor to refresh from")
-        self.last_refresh = step
         prediction = self.predictor.predict(batch, self.horizon)
+        if prediction.c_hat is None and prediction.warming:
+            # not an answer yet, nor a failure: BR-0 until the first one, asked every step
+            self.use_predictions = False
+            return Refresh(step, False, "warming", False)
+        self.last_refresh = step
         if prediction.c_hat is None:
             healthy, reason = False, "unavailable"
         elif prediction.drifted:

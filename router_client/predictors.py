@@ -46,10 +46,14 @@ class Prediction:
     ``recommendation`` is the service's current advice on which policy to run, when it has
     one: ``{"policy": "br0"}`` or ``{"policy": "brh", "horizon", "beta", "gamma",
     "estimator"}`` (see ``balanceroute tune``).
+    ``warming`` (with ``c_hat`` None) says the predictor has not answered yet, its first
+    query still running (a proxy's background refresh at start): the router routes as BR-0
+    meanwhile, but it is not a failure (no fallback switch, no failed refresh counted).
     """
 
     c_hat: np.ndarray | None
     drifted: bool = False
+    warming: bool = False
     recommendation: dict | None = None
     p_fin: np.ndarray | None = None  # P(ends within H), when the predictor knows it
     mu_rem: np.ndarray | None = None  # mean remaining if it does (NaN where p_fin is 0)

@@ -103,7 +103,12 @@ def test_service_killed_mid_run_falls_back_to_br0_and_returns(launcher: Launcher
     traffic = Traffic(proxy.url)
     try:
         # BR-H with live predictions
-        wait_for(lambda: traffic.done and _brh_active(proxy, 1.0)(), "BR-H with predictions")
+        started = wait_for(lambda: traffic.done and _brh_active(proxy, 1.0)(),
+                           "BR-H with predictions")
+        # waiting for the service's first answer at start is no fallback and no failure
+        assert _switches(started, "br0") == 0
+        assert not any(k.startswith("balanceroute_router_refresh_failures_total{")
+                       for k in started)
         # the default discount follows the fleet's turnover: a real discount, 0.5 <= gamma < 1
         assert 0.5 <= wait_for(_gamma_set(proxy), "a BR-H round's discount") < 1.0
         service.kill()

@@ -276,6 +276,10 @@ class Proxy:
 
     # -- lifecycle --------------------------------------------------------------------------
     async def startup(self) -> None:
+        await self.engines.check_all()
+        if self.prefills is not None:
+            await self.prefills.check_all()
+        self._log_start()
         self.tasks = [
             asyncio.ensure_future(self.dispatcher.run()),
             asyncio.ensure_future(self.dispatcher.reaper(1.0)),
@@ -289,6 +293,14 @@ class Proxy:
             reporter = getattr(self.predictor.inner, "reporter", None)
             if reporter is not None:
                 reporter.start()
+
+    def _log_start(self) -> None:
+        config = self.config
+        up = sum(engine.up for engine in self.engines.engines)
+        log.info("routing with %s over %d decode ranks of %d slots (%d up)%s%s",
+                    config.policy, len(config.decode), config.batch, up,
+                    f", {len(config.prefill)} prefill instances" if config.prefill else "",
+                    f", predictions from {config.predictor_url}" if self.predictor else "")
 
     async def shutdown(self) -> None:
         for task in self.tasks:
@@ -387,6 +399,10 @@ class Proxy:
             if ambiguous > self.config.retries:
                 break
             call.request_id = call.base_id if attempt == 0 else f"{call.base_id}-r{attempt}"
+            if not self.engines.any_alive():  # nothing to wait for in the pool: say so now
+                raise ProxyError(503, "no decode rank is up", "service_unavailable",
+                                 headers={"retry-after": str(max(
+                                     1, math.ceil(self.config.probe_interval_s)))})
             rank = await self._admit(call, tokens, key)
             call.rank = rank
             try:
@@ -623,6 +639,17 @@ def _body_error(status: int, message: str) -> dict[str, Any]:
     return {"error": {"message": message + option, "type": kind, "code": status}}
 
 
+async def _not_routed(request: Request, exc: Exception) -> Response:
+    """A path the proxy does not serve (404), or a method it does not take there (405), in
+    OpenAI's error shape, as an engine would answer."""
+    status = getattr(exc, "status_code", 404)
+    message = (f"{request.method} is not allowed on {request.url.path}" if status == 405
+               else f"no route {request.url.path}")
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
+                                   "code": status}},
+                        status_code=status, headers=getattr(exc, "headers", None))
+
+
 def build_app(config: ProxyConfig) -> Starlette:
     proxy = Proxy(config)
 
@@ -656,7 +683,7 @@ def build_app(config: ProxyConfig) -> Starlette:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/proxy/state", proxy.state, methods=["GET"]),
-    ], lifespan=lifespan)
+    ], lifespan=lifespan, exception_handlers={404: _not_routed, 405: _not_routed})
 
     def body_refused(status: int, message: str) -> dict[str, Any]:
         # counted with the requests the proxy refuses itself: a 413 is invalid input (as a

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import sys
 from collections.abc import Callable, Coroutine
@@ -61,6 +62,9 @@ _body_bytes = _number(int, lambda v: v >= MIN_BODY_LIMIT, "a whole number of byt
                       f"must be >= {MIN_BODY_LIMIT} bytes")
 _rate = _number(float, lambda v: v > 0, "a number or 'inf'", "must be > 0 ('inf': all at once)")
 _requests = _number(int, lambda v: v >= 0, "a whole number of requests", "must be >= 0 requests")
+_count = _number(int, lambda v: v >= 1, "a whole number", "must be >= 1")
+_none_or_more = _number(int, lambda v: v >= 0, "a whole number", "must be >= 0")
+_port = _number(int, lambda v: 1 <= v <= 65535, "a port number", "must be a port, 1 to 65535")
 
 
 def add_commands(sub: Any, bench_sub: Any) -> None:
@@ -73,18 +77,19 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     proxy.add_argument("--prefill", type=_urls, default=[],
                        help="prefill instance URLs (two-phase requests with kv_transfer_params)")
     proxy.add_argument("--host", default="127.0.0.1")
-    proxy.add_argument("--port", type=int, default=8080)
+    proxy.add_argument("--port", type=_port, default=8080)
     proxy.add_argument("--policy", default="br0", choices=["br0", "brh", "jsq", "rr", "ltl"])
     proxy.add_argument("--predictor-url", default=None,
-                       help="prediction service for BR-H (falls back to BR-0 without it)")
-    proxy.add_argument("--batch", type=int, default=64,
+                       help="prediction service for BR-H (required with --policy brh; BR-H "
+                       "routes as BR-0 while the service is unreachable or its answers drift)")
+    proxy.add_argument("--batch", type=_count, default=64,
                        help="B: concurrent requests per decode rank (default 64)")
     proxy.add_argument("--bypass", action="store_true",
                        help="route at arrival; up to 2*B per rank (engine queues the excess)")
-    proxy.add_argument("--pool-max", type=int, default=4096, help="pool bound (429 beyond)")
-    proxy.add_argument("--pool-ttl", type=float, default=60.0,
+    proxy.add_argument("--pool-max", type=_count, default=4096, help="pool bound (429 beyond)")
+    proxy.add_argument("--pool-ttl", type=_positive_float, default=60.0,
                        help="seconds a request may wait for a decode slot (default 60)")
-    proxy.add_argument("--engine-timeout", type=float, default=120.0,
+    proxy.add_argument("--engine-timeout", type=_positive_float, default=120.0,
                        help="seconds without a byte from a rank before the stream fails")
     proxy.add_argument("--step-ms", type=_positive_float, default=None,
                        help="the ranks' decode step in ms: routing rounds at most once per "
@@ -114,21 +119,21 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
                        metavar="BYTES", help="request bodies held at once (read, not yet "
                        "answered; one client address a quarter of it); 503 with Retry-After "
                        f"beyond (default {BODY_BUDGET}, or --max-body-bytes if larger)")
-    proxy.add_argument("--prefill-kv-budget", type=int, default=2_000_000,
+    proxy.add_argument("--prefill-kv-budget", type=_count, default=2_000_000,
                        help="KV tokens one prefill instance may hold for pending hand-offs")
     proxy.set_defaults(handler=cmd_proxy)
 
     emulate = sub.add_parser("emulate", help="emulated DP decode ranks (a test double)")
-    emulate.add_argument("--workers", type=int, required=True, help="G decode ranks")
+    emulate.add_argument("--workers", type=_count, required=True, help="G decode ranks")
     emulate.add_argument("--host", default="127.0.0.1")
-    emulate.add_argument("--port", type=int, default=9000, help="rank g listens on port + g")
-    emulate.add_argument("--batch", type=int, default=64, help="B slots per rank (default 64)")
+    emulate.add_argument("--port", type=_port, default=9000, help="rank g listens on port + g")
+    emulate.add_argument("--batch", type=_count, default=64, help="B slots per rank (default 64)")
     emulate.add_argument("--step-cost", type=_step_cost, default=DEFAULT_STEP_COST, help=cost)
     emulate.add_argument("--time-scale", type=_positive_float, default=1.0,
                          help="run this many times faster than the cost model (default 1)")
-    emulate.add_argument("--prefill-workers", type=int, default=0,
+    emulate.add_argument("--prefill-workers", type=_none_or_more, default=0,
                          help="prefill instances on the ports after the decode ranks")
-    emulate.add_argument("--mean-output", type=float, default=128.0,
+    emulate.add_argument("--mean-output", type=_positive_float, default=128.0,
                          help="mean output length without ignore_eos (default 128)")
     emulate.add_argument("--seed", type=int, default=0)
     emulate.add_argument("--max-queued-requests", type=_requests, default=None, metavar="N",
@@ -146,10 +151,10 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
                       help="Poisson arrivals at R requests/s ('inf': all at once)")
     rate.add_argument("--load", type=_positive_float, default=None,
                       help="rescale trace times to this load (see --workers, --batch)")
-    serve.add_argument("--requests", type=int, default=None, help="the first N requests")
-    serve.add_argument("--max-concurrency", type=int, default=None)
-    serve.add_argument("--workers", type=int, default=8, help="fleet size for --load")
-    serve.add_argument("--batch", type=int, default=64, help="B for --load")
+    serve.add_argument("--requests", type=_count, default=None, help="the first N requests")
+    serve.add_argument("--max-concurrency", type=_count, default=None)
+    serve.add_argument("--workers", type=_count, default=8, help="fleet size for --load")
+    serve.add_argument("--batch", type=_count, default=64, help="B for --load")
     serve.add_argument("--step-cost", type=_step_cost, default=DEFAULT_STEP_COST, help=cost)
     serve.add_argument("--time-scale", type=_positive_float, default=1.0)
     serve.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
@@ -161,9 +166,9 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
         "proxy-ab", help="policies through the proxy and the emulator vs balanceroute ab")
     fleet.add_argument("--trace", required=True, help="trace file or synth:NAME")
     fleet.add_argument("--format", default="auto")
-    fleet.add_argument("--requests", type=int, default=600, help="the first N (default 600)")
-    fleet.add_argument("--workers", type=int, default=8, help="G decode ranks (default 8)")
-    fleet.add_argument("--batch", type=int, default=16, help="B slots per rank (default 16)")
+    fleet.add_argument("--requests", type=_count, default=600, help="the first N (default 600)")
+    fleet.add_argument("--workers", type=_count, default=8, help="G decode ranks (default 8)")
+    fleet.add_argument("--batch", type=_count, default=16, help="B slots per rank (default 16)")
     fleet.add_argument("--step-cost", type=_step_cost, default=DEFAULT_STEP_COST, help=cost)
     fleet.add_argument("--time-scale", type=_positive_float, default=0.25,
                        help="the emulator's speed-up over the cost model (default 0.25)")
@@ -178,10 +183,10 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     over.add_argument("--trace", default="synth:long:n=400,output_mean=64,output_sigma=0.3,"
                       "prompt_mean=500", help="trace file or synth:NAME")
     over.add_argument("--format", default="auto")
-    over.add_argument("--requests", type=int, default=None)
+    over.add_argument("--requests", type=_count, default=None)
     over.add_argument("--rate", type=_rate, default=10.0,
                       help="Poisson arrivals per second (default 10)")
-    over.add_argument("--batch", type=int, default=64)
+    over.add_argument("--batch", type=_count, default=64)
     over.add_argument("--step-cost", type=_step_cost, default=DEFAULT_STEP_COST, help=cost)
     over.add_argument("--time-scale", type=_positive_float, default=1.0)
     over.add_argument("--seed", type=int, default=0)
@@ -199,6 +204,20 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
         return runner.run(main)
 
 
+def _log_to_stderr() -> None:
+    """Our log lines on stderr, timestamped: the proxy's from INFO (its start), the rest from
+    WARNING (ranks down and back, fallback switches; a failed refresh is INFO, one per
+    refresh while the service is away)."""
+    logger = logging.getLogger("balanceroute")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False
+        logging.getLogger("balanceroute.proxy").setLevel(logging.INFO)
+
+
 def cmd_proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -209,7 +228,12 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     except ValueError as exc:  # options that are wrong together, e.g. --policy brh alone
         print(f"balanceroute proxy: error: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="warning",
+    _log_to_stderr()
+    app = build_app(config)
+    logging.getLogger("balanceroute.proxy").info(
+        "balanceroute proxy on http://%s:%d (OpenAI-compatible /v1; /metrics, /readyz)",
+        args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 access_log=False, timeout_keep_alive=30, backlog=4096)
     return 0
 
@@ -232,6 +256,12 @@ def _proxy_config(args: argparse.Namespace) -> Any:
 def cmd_emulate(args: argparse.Namespace) -> int:
     from .emulator import EmulatorConfig, serve
 
+    last = args.port + args.workers + args.prefill_workers - 1
+    if last > 65535:
+        print(f"balanceroute emulate: error: --port {args.port} with {args.workers} ranks and "
+              f"{args.prefill_workers} prefill instances needs ports up to {last}, past 65535",
+              file=sys.stderr)
+        return 2
     config = EmulatorConfig(workers=args.workers, batch=args.batch, step_cost=args.step_cost,
                             time_scale=args.time_scale, seed=args.seed,
                             mean_output=args.mean_output, prefill_workers=args.prefill_workers,
@@ -240,6 +270,9 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         run_async(serve(config, args.host, args.port))
     except KeyboardInterrupt:
         pass
+    except OSError as exc:  # a port taken, a host not of this machine
+        print(f"balanceroute emulate: error: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0
 
 

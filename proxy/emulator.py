@@ -505,12 +505,21 @@ async def _stream(emulator: Emulator, rank: int, responder: _Responder,
 
 
 def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
-    sockets = []
+    """Listening sockets on ``port`` .. ``port + count - 1`` (an :class:`OSError` naming the
+    port that cannot be bound; those bound before it are closed)."""
+    sockets: list[socket.socket] = []
     for offset in range(count):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port + offset))
-        sock.listen(2048)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port + offset))
+            sock.listen(2048)
+        except OSError as exc:
+            sock.close()
+            for bound in sockets:
+                bound.close()
+            raise OSError(exc.errno, f"cannot listen on {host}:{port + offset}: "
+                          f"{exc.strerror or exc}") from None
         sock.setblocking(False)
         sockets.append(sock)
     return sockets

@@ -1,6 +1,7 @@
 """Decode (and prefill) engines seen from the proxy: health, probing, reconciliation.
 
-A rank whose connection fails, or whose stream breaks mid-way, is marked down: the router
+At start every rank is asked ``GET /v1/models`` once; one that does not answer is marked
+down. A rank whose connection fails, or whose stream breaks mid-way, is marked down: the router
 skips it (:class:`proxy.dispatcher.RankMaskPolicy`), requests streaming from it fail on their
 own (their streams are cut) and a probe (``GET /v1/models`` every ``probe_interval_s``) brings
 it back. A rank that answers a request with 429 or 503 (busy: an engine's bounded queue is
@@ -89,6 +90,28 @@ class EngineSet:
         self._probes: dict[int, asyncio.Task[None]] = {}
         self._holds: dict[int, asyncio.Task[None]] = {}
 
+    async def check_all(self) -> None:
+        """At start: a rank that does not answer ``GET /v1/models`` is marked down, so it is
+        not routed to (nor counted ready) until its probe brings it back. Any HTTP answer
+        but a 5xx counts as alive (an engine behind an API key answers 401)."""
+        async def check(engine: Engine) -> None:
+            problem = await self._unanswered(engine, timeout_s=2.0)
+            if problem is not None:
+                self.mark_down(engine.index, f"start: {problem}")
+        await asyncio.gather(*(check(engine) for engine in self.engines))
+
+    async def _unanswered(self, engine: Engine, timeout_s: float) -> str | None:
+        """Why ``engine`` does not answer ``GET /v1/models`` as a live server (None: it does)."""
+        try:
+            response = await self.http.get(f"{engine.url}/v1/models", timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            return type(exc).__name__
+        return f"HTTP {response.status_code}" if response.status_code >= 500 else None
+
+    def any_alive(self) -> bool:
+        """Whether any rank is up, held back or not (a held rank comes back by itself)."""
+        return any(engine.up for engine in self.engines)
+
     def url(self, rank: int) -> str:
         return self.engines[rank].url
 
@@ -146,11 +169,7 @@ class EngineSet:
         engine = self.engines[rank]
         while True:
             await asyncio.sleep(self.probe_interval_s)
-            try:
-                response = await self.http.get(f"{engine.url}/v1/models", timeout=2.0)
-            except httpx.HTTPError:
-                continue
-            if response.status_code == 200:
+            if await self._unanswered(engine, timeout_s=2.0) is None:
                 engine.up = True
                 self.up[rank] = engine.held_until <= time.monotonic()
                 self._probes.pop(rank, None)

@@ -119,6 +119,17 @@ def test_models_health_and_metrics(fleet):
                  "balanceroute_proxy_brh_gamma",
                  "balanceroute_router_brh_active"):
         assert name in text, name
+    assert "balanceroute_router_brh_active 0.0" in text  # a BR-0 proxy never uses predictions
+    # a path or method the proxy does not serve is answered in OpenAI's error shape
+    missing = httpx.post(fleet[1].url + "/v1/embeddings", json={"input": "x"})
+    assert missing.status_code == 404
+    assert missing.json()["error"] == {"message": "no route /v1/embeddings",
+                                       "type": "invalid_request_error", "code": 404}
+    wrong = httpx.get(fleet[1].url + "/v1/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["message"] == "GET is not allowed on /v1/completions"
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="m", input="x")
 
 
 def _long_stream(client: httpx.Client, proxy_url: str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from datetime import UTC
 from typing import Any
@@ -97,15 +98,41 @@ def test_killed_rank_fails_only_its_requests_then_returns(launcher: Launcher):
 def test_ranks_refusing_connections_do_not_fail_requests(launcher: Launcher):
     """Nothing ran on a rank that refused the connection, so the request is routed again, to
     another rank, however many dead ranks it meets first (they do not use up the retries)."""
+    doomed = launcher.emulator(workers=3, batch=8, time_scale=1.0)
     healthy = launcher.emulator(workers=2, batch=8, time_scale=1.0)
-    dead = free_ports(3)  # nothing listens there
-    urls = [f"http://127.0.0.1:{dead + g}" for g in range(3)] + rank_urls(healthy, 2)
-    proxy = launcher.proxy(urls, policy="br0", batch=8)
+    proxy = launcher.proxy(rank_urls(doomed, 3) + rank_urls(healthy, 2), policy="br0", batch=8)
+    assert proxy_state(proxy)["up"] == [True] * 5
+    doomed.kill()  # after the proxy's start check: nothing tells it yet
     # one request alone meets the dead ranks one after another (ties go to the lowest rank)
     assert asyncio.run(_run(proxy.url, 1, 5)) == [5]
     assert asyncio.run(_run(proxy.url, 16, 5)) == [5] * 16
     state = assert_quiescent(proxy)
     assert state["up"] == [False, False, False, True, True]
+
+
+@pytest.mark.timeout(60)
+def test_ranks_dead_at_start_are_down_and_with_none_up_a_request_is_refused_at_once(
+        launcher: Launcher):
+    """A rank that does not answer when the proxy starts is down from the start (not ready,
+    not routed to) until its probe finds it; with no rank up a request gets a 503 at once,
+    not after the pool TTL."""
+    healthy = launcher.emulator(workers=1, batch=4, time_scale=1.0)
+    dead = f"http://127.0.0.1:{free_ports(1)}"  # nothing listens there
+    proxy = launcher.proxy([dead, healthy.url], policy="br0", batch=4)
+    assert httpx.get(proxy.url + "/readyz").json() == {"ready": True, "up": [False, True]}
+    assert "decode rank 0 (http://127.0.0.1:" in proxy.log_tail()  # marked down: start: ...
+    assert asyncio.run(_run(proxy.url, 4, 5)) == [5] * 4
+
+    alone = launcher.proxy([dead], policy="br0", batch=4, extra=("--pool-ttl", "30"))
+    ready = httpx.get(alone.url + "/readyz")
+    assert ready.status_code == 503 and ready.json()["up"] == [False]
+    began = time.monotonic()
+    refused = httpx.post(alone.url + "/v1/completions", timeout=20.0,
+                         json={"model": "m", "prompt": "hi", "max_tokens": 3})
+    assert time.monotonic() - began < 10.0  # not the 30 s pool TTL
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["message"] == "no decode rank is up"
+    assert_quiescent(alone)
 
 
 @pytest.mark.timeout(60)
@@ -162,7 +189,21 @@ def test_the_proxys_patience_reaches_its_router_and_bad_values_are_refused(capsy
     (["proxy", "--decode", "http://127.0.0.1:9", "--max-body-bytes", "100"],
      "--max-body-bytes: must be >= 1024 bytes"),
     (["proxy", "--decode", "http://127.0.0.1:9", "--max-body-bytes", "1e6"],
-     "--max-body-bytes: expected a whole number of bytes: '1e6'")])
+     "--max-body-bytes: expected a whole number of bytes: '1e6'"),
+    (["emulate", "--workers", "0"], "--workers: must be >= 1"),
+    (["emulate", "--workers", "2", "--batch", "0"], "--batch: must be >= 1"),
+    (["emulate", "--workers", "2", "--port", "99999"], "--port: must be a port, 1 to 65535"),
+    (["emulate", "--workers", "2", "--prefill-workers", "-1"], "--prefill-workers: must be >= 0"),
+    (["proxy", "--decode", "http://127.0.0.1:9", "--port", "99999"],
+     "--port: must be a port, 1 to 65535"),
+    (["proxy", "--decode", "http://127.0.0.1:9", "--batch", "0"], "--batch: must be >= 1"),
+    (["proxy", "--decode", "http://127.0.0.1:9", "--pool-max", "0"], "--pool-max: must be >= 1"),
+    (["proxy", "--decode", "http://127.0.0.1:9", "--pool-ttl", "-1"],
+     "--pool-ttl: must be a finite number > 0"),
+    (["proxy", "--decode", "http://127.0.0.1:9", "--engine-timeout", "0"],
+     "--engine-timeout: must be a finite number > 0"),
+    (["bench", "serve", "--url", "http://127.0.0.1:9", "--trace", "synth:long",
+      "--max-concurrency", "0"], "--max-concurrency: must be >= 1")])
 def test_serving_options_out_of_range_are_refused_naming_the_option(capsys, argv, message):
     from predictor.cli import main
 
@@ -170,6 +211,22 @@ def test_serving_options_out_of_range_are_refused_naming_the_option(capsys, argv
         main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_emulated_ports_past_65535_or_taken_are_an_error_naming_the_port(capsys):
+    from predictor.cli import main
+
+    assert main(["emulate", "--workers", "4", "--port", "65534"]) == 2
+    assert "needs ports up to 65537, past 65535" in capsys.readouterr().err
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        assert main(["emulate", "--workers", "1", "--port", str(port)]) == 1
+    finally:
+        taken.close()
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
 def test_the_proxy_counts_the_ranks_the_guard_holds_back_and_patience_forces():

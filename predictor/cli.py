@@ -377,6 +377,9 @@ def cmd_ab(args: argparse.Namespace) -> int:
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")
     print(abtest.format_table(comparison.rows))
+    note = abtest.uncontended_note(comparison.rows)
+    if note:
+        print(note)
     if args.predictor_url:
         print(f"BR-H predictions from {args.predictor_url}")
         refused = {p.config_error for p in getattr(factory, "created", []) if p.config_error}
@@ -417,6 +420,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"{row['setting']:<34} {row['throughput_tok_s']:9.1f} "
               f"{row['throughput_tok_s'] / reference:7.4f} {row['imbalance_maxmin_mean']:9.0f} "
               f"{row['starvation_guard_admissions']:6d}")
+    note = abtest.uncontended_note(result.rows)
+    if note:
+        print(note)
     print("recommendation:", json.dumps(result.recommendation))
     if result.evaluation:
         base = result.evaluation[0]["throughput_tok_s"]

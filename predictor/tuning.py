@@ -182,6 +182,7 @@ def _combine(rows: list[dict]) -> dict:
             "throughput_tok_s": float(np.mean([r["throughput_tok_s"] for r in rows])),
             "imbalance_maxmin_mean": float(np.mean([r["imbalance_maxmin_mean"] for r in rows])),
             "requests": sum(r["requests"] for r in rows),
+            "contended_steps": sum(r.get("contended_steps", 0) for r in rows),
             "windows": [{k: r[k] for k in keys} for r in rows]}
 
 

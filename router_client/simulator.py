@@ -252,6 +252,10 @@ class MetricsCollector:
         self.guard_admissions = 0
         self.guard_waits = 0  # workers the guard idle held back, one per worker and round
         self.patience_admissions = 0  # guard admissions of workers out of patience
+        # steps with more requests waiting than free slots: some had to wait, and the policy
+        # chose which (0: every request found a slot at once, and policies differ only in
+        # where they put it; a fleet that never filled tells BR settings nothing apart)
+        self.contended_steps = 0
         self.gammas: list[float] = []  # BR-H's discount per round (turnover: it varies)
         self.fallback_rounds: list[int] = []
         self.last_admission_step = -1
@@ -297,6 +301,7 @@ class MetricsCollector:
             "starvation_guard_admissions": self.guard_admissions,
             "guard_waits": self.guard_waits,
             "patience_admissions": self.patience_admissions,
+            "contended_steps": self.contended_steps,
             "fallback_steps": len(self.fallback_rounds),
             "gamma_mean": float(np.mean(self.gammas)) if self.gammas else None,
             "drain_steps": drain, "makespan_s": clock, "routing_steps": int(steps_in_window),
@@ -368,6 +373,8 @@ class Simulation:
         if self.cache.due(self.step):
             self._refresh()
         active = self.engine.active
+        if len(self.pool) > active.size - int(active.sum()):
+            self.metrics.contended_steps += 1
         if self.pool and not active.all():
             self._route()
             active = self.engine.active

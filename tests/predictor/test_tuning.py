@@ -108,12 +108,14 @@ def test_tuning_replays_the_past_in_windows_each_warmed_on_the_ones_before():
     assert all("windows" not in row for row in single.rows)
 
 
-def test_tune_command(tmp_path):
+def test_tune_command(tmp_path, capsys):
     out = tmp_path / "tune.json"
     assert main(["tune", "--trace", "synth:templated:n=400,seed=2", "--workers", "2",
                  "--batch", "8", "--load", "backlog", "--holdout", "0.25", "--quiet",
                  "--json", str(out)]) == 0
+    assert "never filled" not in capsys.readouterr().out  # a backlog: requests always wait
     result = json.loads(out.read_text())
+    assert all(row["contended_steps"] > 0 for row in result["rows"])
     assert result["recommendation"]["policy"] in ("br0", "brh")
     assert len(result["rows"]) == len(DEFAULT_GRID) and result["evaluation"]
     settings = {r["setting"] for r in result["rows"]}
@@ -205,3 +207,13 @@ def test_router_client_adopts_the_recommendation_at_a_refresh():
     # after BR-0 and back, BR-H keeps the router's own settings the advice does not name
     kept = router.policy.params
     assert (kept.short_pool, kept.fit_horizon, kept.stage2_order) == ("lpt", 8.0, "margin")
+
+
+def test_a_fleet_that_never_filled_is_pointed_out(capsys):
+    """Tuning on a stretch where every request finds a slot at once gives rows that tie
+    (BR-H places as BR-0 in a short pool): the command says why instead of leaving a user
+    to read the tie as evidence."""
+    assert main(["tune", "--trace", "synth:templated:n=100,seed=2", "--workers", "8",
+                 "--batch", "64", "--load", "0.3", "--quiet"]) == 0
+    shown = capsys.readouterr().out
+    assert "note (G=8): no request ever waited for a slot (the fleet never filled)" in shown

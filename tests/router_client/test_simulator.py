@@ -37,6 +37,7 @@ def test_tiny_scenario_by_hand():
     assert row["ttft_p95_ms"] == pytest.approx(10500.0)
     assert row["tpot_p95_ms"] is None  # nothing with two or more tokens ended in the window
     assert row["pool_wait_p95_steps"] == 0.0
+    assert row["contended_steps"] == 0  # three requests, four slots: none waited
     assert list(result.finish_step) == [1, 0, 2]
 
 
@@ -196,3 +197,14 @@ def test_simulator_rejects_invariant_violations(mode, message):
 def test_config_validation(field, value):
     with pytest.raises(ParameterError, match=field):
         SimConfig(**{field: value})
+
+
+def test_contended_steps_count_the_steps_where_requests_waited_beyond_the_free_slots():
+    # four requests at step 0 on 2 x 1 slots, by hand: step 0, 4 waiting > 2 free (r0 and r1
+    # start, r1 ends after its 1 token); step 1, 2 waiting > 1 free (r2 starts, r0 ends);
+    # step 2, 1 waiting, 1 free: not contended (r3 starts)
+    trace = parse_trace("arrival_s,prompt_tokens,output_tokens\n0,10,2\n0,4,1\n0,6,3\n"
+                        "0,5,1\n")
+    config = SimConfig(workers=2, batch=1, load=1.0, step_cost=(1.0, 0.5))
+    row = simulate(trace, make_policy("ltl"), config).row
+    assert row["contended_steps"] == 2

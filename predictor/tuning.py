@@ -34,7 +34,7 @@ from router_client.predictors import FinishedBatch
 from router_client.simulator import SimConfig, simulate
 from router_client.traces import Trace
 
-from .abtest import make_predictor
+from .abtest import make_predictor, uncontended_note
 from .estimators import estimator_spec
 from .settings import Settings
 
@@ -90,8 +90,9 @@ class TuningResult:
     evaluation: list[dict] = field(default_factory=list)  # on the held-out window
 
     def as_dict(self) -> dict:
+        """With ``note``: why the rows tie, when the fleet never filled (else None)."""
         return {"rows": self.rows, "recommendation": self.recommendation,
-                "evaluation": self.evaluation}
+                "evaluation": self.evaluation, "note": uncontended_note(self.rows)}
 
 
 def recommendation_of(candidate: Candidate, estimator: str,

@@ -115,6 +115,7 @@ def test_tune_command(tmp_path, capsys):
                  "--json", str(out)]) == 0
     assert "never filled" not in capsys.readouterr().out  # a backlog: requests always wait
     result = json.loads(out.read_text())
+    assert result["note"] is None
     assert all(row["contended_steps"] > 0 for row in result["rows"])
     assert result["recommendation"]["policy"] in ("br0", "brh")
     assert len(result["rows"]) == len(DEFAULT_GRID) and result["evaluation"]

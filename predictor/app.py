@@ -72,7 +72,8 @@ class RequestMetrics:
     """ASGI middleware: count requests and time them up to the last byte of the answer (not
     the background work after it), labelled by route template. A request answered before it
     was routed (a 401 of the token gate; a 413, 408 or budget 503 of :class:`BodyLimit`) is
-    labelled by the route its path and method match in ``routes``, ``unmatched`` if none."""
+    labelled by the route its path and method match in ``routes``, else by one its path
+    matches (a method it does not take: the app would answer 405), ``unmatched`` if none."""
 
     def __init__(self, app, metrics: Metrics, routes: Sequence[BaseRoute] = ()) -> None:
         self.app = app
@@ -82,7 +83,9 @@ class RequestMetrics:
     def _route_of(self, scope) -> str:
         route = scope.get("route")
         if route is None:
-            route = next((r for r in self.routes if r.matches(scope)[0] is Match.FULL), None)
+            matches = [(r, r.matches(scope)[0]) for r in self.routes]
+            route = next((r for r, m in matches if m is Match.FULL),
+                         next((r for r, m in matches if m is Match.PARTIAL), None))
         return getattr(route, "path", "unmatched")
 
     async def __call__(self, scope, receive, send):

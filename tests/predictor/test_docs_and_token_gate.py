@@ -83,8 +83,11 @@ def test_requests_refused_before_routing_are_counted_under_their_route(client):
                        headers=auth).status_code == 413
     assert client.delete("/v1/tunings/" + "a" * 32).status_code == 401
     assert client.get("/v1/nowhere").status_code == 404
+    # a path served for another method: under that route (the app would answer 405)
+    assert client.put("/v1/contributions", content=b"x" * 40_000_000).status_code == 413
     metrics = client.get("/metrics").text
-    for endpoint, method, status in (("/v1/observations", "POST", 401),
+    for endpoint, method, status in (("/v1/contributions", "PUT", 413),
+                                     ("/v1/observations", "POST", 401),
                                      ("/v1/observations", "POST", 413),
                                      ("/v1/tunings/{job_id}", "DELETE", 401),
                                      ("unmatched", "GET", 404)):

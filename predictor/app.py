@@ -6,6 +6,7 @@ make one app per database.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import logging
@@ -22,7 +23,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 from swagger_ui_bundle import swagger_ui_path
@@ -31,10 +32,15 @@ from .abjobs import AbJobRunner
 from .api import ROUTERS
 from .api.contributions import answer
 from .api.contributions import router as contributions_router
-from .api.deps import token_ok
+from .api.deps import token_ok, unreadable
 from .asgi import BodyLimit, body_budget, replay_body
 from .metrics import Metrics, refresh_gauges
-from .schemas import CONTRIBUTIONS_IN, parse_contributions, unknown_field_errors
+from .schemas import (
+    CONTRIBUTIONS_IN,
+    ObservationsIn,
+    parse_contributions,
+    unknown_field_errors,
+)
 from .service import PredictorService
 from .settings import Settings
 from .store import make_engine
@@ -198,16 +204,6 @@ BODY_UNPARSED = "There was an error parsing the body"  # FastAPI's 400 detail
 MAX_ERRORS_LISTED = 50  # in a 422 (the schemas keep a bad body's errors few: see schemas.py)
 
 
-def _unreadable(cause: BaseException | None) -> str:
-    if isinstance(cause, RecursionError):
-        return "nested too deeply"
-    if isinstance(cause, UnicodeDecodeError):
-        return "not UTF-8 text"
-    if isinstance(cause, ValueError) and "digits" in str(cause):
-        return "a number with too many digits"
-    return "unreadable"
-
-
 def _error_handlers(app: FastAPI) -> None:
     """422 for bad input (never echoing it), 503 for anything unexpected."""
 
@@ -237,7 +233,7 @@ def _error_handlers(app: FastAPI) -> None:
             # syntax error: a 422 naming the reason, as for any other body that is not JSON
             return JSONResponse(status_code=422, content={"detail": [{
                 "loc": ["body"], "type": "json_invalid",
-                "msg": f"JSON decode error: {_unreadable(exc.__cause__)}"}]})
+                "msg": f"JSON decode error: {unreadable(exc.__cause__)}"}]})
         return await http_exception_handler(request, exc)
 
     @app.exception_handler(Exception)
@@ -282,6 +278,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     app.state.service = service
+    app.state.ingest_slots = asyncio.Semaphore(settings.ingest_concurrency)
     app.state.metrics = metrics
     app.state.png_cache = OrderedDict()  # reliability diagrams by (query, scored count)
     app.state.ab_jobs = AbJobRunner(service.sessions, settings.max_queued_jobs,
@@ -305,10 +302,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version,
                                  description=app.description, routes=app.routes)
-            body = CONTRIBUTIONS_IN.json_schema(ref_template="#/components/schemas/{model}")
+            # the bodies the routes read themselves
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            components.update(body.pop("$defs", {}))
-            components["ContributionsIn"] = body
+            for name, adapter in (("ContributionsIn", CONTRIBUTIONS_IN),
+                                  ("ObservationsIn", TypeAdapter(ObservationsIn))):
+                body = adapter.json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[name] = body
             app.openapi_schema = schema
         return app.openapi_schema
 

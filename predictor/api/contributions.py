@@ -25,16 +25,14 @@ from ..schemas import (
     prompt_key_of,
 )
 from ..service import PredictorService
-from .deps import INVALID, TOO_LARGE, MetricsDep, ServiceDep
+from .deps import INVALID, TOO_LARGE, MetricsDep, ServiceDep, body_schema, invalid_body
 
 router = APIRouter(prefix="/v1/contributions", tags=["prediction"])
 _GENERATED = itemgetter("generated_tokens")
 
 
 @router.post("", response_model=ContributionsOut, responses={**TOO_LARGE, **INVALID},
-             openapi_extra={"requestBody": {"required": True, "content": {
-                 "application/json": {"schema": {
-                     "$ref": "#/components/schemas/ContributionsIn"}}}}})
+             openapi_extra=body_schema("ContributionsIn"))
 async def post_contributions(request: Request, service: ServiceDep,
                              metrics: MetricsDep) -> Response:
     """Expected capped remaining life ``c_hat`` of each active request, in order.
@@ -47,9 +45,7 @@ async def post_contributions(request: Request, service: ServiceDep,
     try:
         body = parse_contributions(await request.body())
     except ValidationError as exc:
-        raise RequestValidationError(
-            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
-        ) from None
+        raise invalid_body(exc) from None
     caller = request.client.host if request.client else ""
     return await run_in_threadpool(answer, body, service, metrics, caller)
 

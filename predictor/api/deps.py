@@ -7,9 +7,12 @@ half of a 1-item ``/v1/contributions`` call's time in the service)."""
 from __future__ import annotations
 
 import hmac
+import json
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from ..abjobs import AbJobRunner
 from ..metrics import Metrics
@@ -31,6 +34,61 @@ TOO_LARGE: Responses = {413: _error("more entries than the per-request limit, or
 INVALID: Responses = {422: {"description": "Validation Error", "content": {"application/json": {
     "schema": {"$ref": "#/components/schemas/HTTPValidationError"}}}}}
 UNAUTHORIZED: Responses = {401: _error("missing or wrong bearer token (API_TOKEN is set)")}
+
+
+def body_schema(name: str) -> dict[str, Any]:
+    """``openapi_extra`` documenting the JSON body of a route that reads it itself."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "$ref": f"#/components/schemas/{name}"}}}}}
+
+
+def invalid_body(exc: ValidationError) -> RequestValidationError:
+    """A body's validation errors as FastAPI words them (located under ``body``)."""
+    return RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()])
+
+
+def unreadable(cause: BaseException | None) -> str:
+    """Why a body that is JSON text by its syntax could not be decoded, in words."""
+    if isinstance(cause, RecursionError):
+        return "nested too deeply"
+    if isinstance(cause, UnicodeDecodeError):
+        return "not UTF-8 text"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return "a number with too many digits"
+    return "unreadable"
+
+
+def says_json(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body of this content type as JSON: none given,
+    ``application/json`` or ``application/*+json``, whatever the case and parameters."""
+    if not content_type:
+        return True
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/")
+                                          and kind.endswith("+json"))
+
+
+def json_body(raw: bytes, content_type: str | None) -> Any:
+    """A route's JSON body decoded as FastAPI decodes it, refused with the errors the app's
+    handlers give FastAPI's own: a missing body, a content type that is not JSON, JSON
+    syntax (at its position), and JSON text that cannot be decoded (the reason named)."""
+    if not raw:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",),
+                                       "msg": "Field required", "input": None}])
+    if not says_json(content_type):
+        raise RequestValidationError([{
+            "loc": ("body",), "type": "content_type",
+            "msg": "send the body as JSON with content-type: application/json "
+                   f"(this request's: {content_type})"}])
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos),
+                                       "msg": "JSON decode error", "input": {},
+                                       "ctx": {"error": exc.msg}}]) from None
+    except (ValueError, RecursionError) as exc:
+        raise RequestValidationError([{"loc": ("body",), "type": "json_invalid",
+                                       "msg": f"JSON decode error: {unreadable(exc)}"}]) from None
 
 
 async def get_service(request: Request) -> PredictorService:

@@ -98,3 +98,39 @@ def test_bodies_of_unknown_fields_are_refused_cheaply(tmp_path):
         peak = peak_rss_mb(process.pid)
     print(f"unknown-field bodies: peak RSS {peak:.0f} MB")
     assert peak < 2 * RSS_BUDGET_MB
+
+
+def test_concurrent_oversized_batches_are_refused_within_the_memory_budget(tmp_path):
+    """Sixteen bodies of 200,000 valid observations each (25 MB; the batch limit is 10,000)
+    at once from four loopback addresses: every one a 413, the service's peak RSS within
+    twice the budget. Each used to be parsed and validated whole, all at once, before its
+    count was checked (peak 2.1 GB, 41 s); now the bodies wait their turn as bytes, and the
+    count is checked as soon as the JSON is decoded."""
+    import json
+    import threading
+
+    observations = [{"request_id": f"r-{i:09d}", "prompt_key": f"key-{i % 5000}",
+                     "prompt_tokens": 900 + i % 77, "output_tokens": 100 + i % 300,
+                     "finish_reason": "stop"} for i in range(200_000)]
+    body = json.dumps({"observations": observations}).encode()
+    del observations
+    statuses: list[int] = []
+    with live_process(f"sqlite:///{tmp_path / 'b.db'}") as (base, process):
+        def send(k: int) -> None:
+            transport = httpx.HTTPTransport(local_address=f"127.0.0.{2 + k % 4}")
+            with httpx.Client(transport=transport, timeout=300) as client:
+                statuses.append(client.post(base + "/v1/observations", content=body, headers={
+                    "content-type": "application/json"}).status_code)
+
+        threads = [threading.Thread(target=send, args=(k,)) for k in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        small = httpx.post(base + "/v1/observations", json={"observations": [
+            {"request_id": "after", "output_tokens": 3}]})
+        assert small.json() == {"accepted": 1, "duplicates": 0}
+        peak = peak_rss_mb(process.pid)
+    print(f"16 oversized batches at once: peak RSS {peak:.0f} MB")
+    assert statuses == [413] * 16
+    assert peak < 2 * RSS_BUDGET_MB

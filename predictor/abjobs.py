@@ -182,16 +182,27 @@ class AbJobRunner:
             stored["trace"] = {"format": stored["trace"]["format"],
                                "bytes": len(stored["trace"]["content"].encode())}
         with self.lock, self.sessions() as session:
-            queued = session.scalar(select(func.count()).select_from(AbJob)
-                                    .where(AbJob.status.in_(ACTIVE))) or 0
-            if queued >= self.max_queued:
-                raise TooManyJobs(f"{queued} jobs queued or running; at most {self.max_queued}")
+            self._check_room(session)
             session.add(AbJob(id=job_id, kind=kind, status="queued", progress=0.0,
                               request=json.dumps(stored), created_at=now, updated_at=now,
                               owner=self.owner, lease_until=self._lease()))
             session.commit()
-        self.executor.submit(self._run, job_id, kind, request, trace)
+        # the job keeps the parsed trace, not its text (up to MAX_BODY_BYTES per queued job)
+        self.executor.submit(self._run, job_id, kind, stored, trace)
         return job_id
+
+    def check_room(self) -> None:
+        """Raise :class:`TooManyJobs` if a job submitted now would be refused (a caller with
+        costly work before :meth:`submit`, parsing a trace, asks first; ``submit`` checks
+        again)."""
+        with self.sessions() as session:
+            self._check_room(session)
+
+    def _check_room(self, session) -> None:
+        queued = session.scalar(select(func.count()).select_from(AbJob)
+                                .where(AbJob.status.in_(ACTIVE))) or 0
+        if queued >= self.max_queued:
+            raise TooManyJobs(f"{queued} jobs queued or running; at most {self.max_queued}")
 
     def get(self, job_id: str, kind: str = "ab") -> dict | None:
         with self.sessions() as session:

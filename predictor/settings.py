@@ -57,8 +57,9 @@ class Settings(BaseSettings):
         16 << 20, ge=1 << 16, description="bytes of per-key curves cached for queries")
     max_observations_per_batch: int = Field(10_000, ge=1)
     ingest_concurrency: int = Field(
-        2, ge=1, description="observation bodies parsed and ingested at once; the others wait, "
-        "already read (a parsed body takes 10-20 times its bytes)")
+        2, ge=1, description="observation bodies and uploaded traces parsed (and observations "
+        "ingested) at once; the others wait, already read (parsed, a body takes many times its "
+        "bytes)")
     max_items_per_query: int = Field(65_536, ge=1)
     max_body_bytes: int = Field(BODY_LIMIT, ge=MIN_BODY_LIMIT)
     max_inflight_body_bytes: int | None = Field(

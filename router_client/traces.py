@@ -466,6 +466,15 @@ def load_trace(spec: str, fmt: str = "auto", requests: int | None = None) -> Tra
     return parse_trace(text, fmt, spec).head(requests)
 
 
+def parse_trace_head(text: str, fmt: str, source: str, requests: int) -> Trace:
+    """``parse_trace(text, fmt, source).head(requests)``, without parsing the rows past
+    the first ``requests`` requests (an uploaded trace of millions of rows)."""
+    if fmt not in FORMATS:
+        raise TraceError(source, f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    text, fmt = _head_of(io.StringIO(text, newline=None), source, fmt, requests)
+    return parse_trace(text, fmt, source).head(requests)
+
+
 def _read_head(path: Path, spec: str, fmt: str, requests: int) -> tuple[str, str]:
     """The start of the file that holds its first ``requests`` requests, and its format: a
     file of millions of rows is not read (nor parsed) past what ``--requests`` keeps. What
@@ -475,18 +484,23 @@ def _read_head(path: Path, spec: str, fmt: str, requests: int) -> tuple[str, str
     last kept requests' shared timestamp is spread over the same gap with the same count
     (:func:`spread_quantized`), and the rows the loaders leave out (Azure's 0-token rows,
     BurstGPT's failed requests) are not counted."""
-    lines: list[str] = []
     with path.open(encoding="utf-8") as stream:
-        feed = _recorded(stream, lines)
-        first = next((line for line in feed if line.strip()), None)
-        if first is None:
-            return "".join(lines), fmt  # empty: the parser says so
-        fmt = detect_format(spec, first) if fmt == "auto" else fmt
-        if fmt == "mooncake":
-            _read_requests(itertools.chain([first], feed), _mooncake_request, requests)
-        else:
-            header = [c.strip() for c in next(csv.reader([first]))]
-            _read_requests(csv.reader(feed), partial(_csv_request, fmt, header), requests)
+        return _head_of(stream, spec, fmt, requests)
+
+
+def _head_of(stream: Iterable[str], spec: str, fmt: str, requests: int) -> tuple[str, str]:
+    """:func:`_read_head` of lines from ``stream`` (universal newlines already applied)."""
+    lines: list[str] = []
+    feed = _recorded(stream, lines)
+    first = next((line for line in feed if line.strip()), None)
+    if first is None:
+        return "".join(lines), fmt  # empty: the parser says so
+    fmt = detect_format(spec, first) if fmt == "auto" else fmt
+    if fmt == "mooncake":
+        _read_requests(itertools.chain([first], feed), _mooncake_request, requests)
+    else:
+        header = [c.strip() for c in next(csv.reader([first]))]
+        _read_requests(csv.reader(feed), partial(_csv_request, fmt, header), requests)
     return "".join(lines), fmt
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 
 from router_client.errors import TraceError
-from router_client.traces import Trace, parse_trace
+from router_client.traces import Trace, parse_trace_head
 
 from ..abjobs import TooManyJobs
 from ..schemas import MAX_TOKENS, AbComparisonIn, AbJobCreated, AbJobOut
@@ -26,13 +27,14 @@ def parsed_trace(body: AbComparisonIn) -> Trace | None:
     if body.trace is None:
         return None
     loc = ("body", "trace", "content")
+    keep = body.requests or MAX_TRACE_REQUESTS + 1  # rows past these are not even parsed
     try:  # a bad trace is the caller's error, reported now with its line
-        trace = parse_trace(body.trace.content, body.trace.format, "trace")
+        trace = parse_trace_head(body.trace.content, body.trace.format, "trace", keep)
     except TraceError as exc:
         raise _invalid(loc, str(exc), "trace_format") from None
-    trace = trace.head(body.requests)
     if len(trace) > MAX_TRACE_REQUESTS:
-        raise _invalid(loc, f"{len(trace)} requests; at most {MAX_TRACE_REQUESTS}", "too_long")
+        raise _invalid(loc, f"more than {MAX_TRACE_REQUESTS} requests; at most "
+                       f"{MAX_TRACE_REQUESTS} (requests keeps the first ones)", "too_long")
     longest = max(int(trace.output_tokens.max()), int(trace.prompt_tokens.max()))
     if longest > MAX_TOKENS:
         raise _invalid(loc, f"a request of {longest} tokens; at most {MAX_TOKENS}", "too_large")
@@ -41,13 +43,19 @@ def parsed_trace(body: AbComparisonIn) -> Trace | None:
 
 @router.post("", status_code=202, response_model=AbJobCreated, dependencies=[WriteAuth],
              responses={**TOO_LARGE, **UNAUTHORIZED})
-def start_ab_comparison(body: AbComparisonIn, jobs: AbJobsDep) -> AbJobCreated:
+async def start_ab_comparison(request: Request, body: AbComparisonIn,
+                              jobs: AbJobsDep) -> AbJobCreated:
     """Start a simulated A/B comparison (background job); poll it by id."""
-    trace = parsed_trace(body)
     try:
-        return AbJobCreated(id=jobs.submit(body.model_dump(), trace, kind="ab"))
+        await run_in_threadpool(jobs.check_room)  # before the trace is parsed, not after
+        # a trace's rows take several times its text while they are parsed: at most
+        # INGEST_CONCURRENCY bodies (traces, observations) are parsed at once
+        async with request.app.state.ingest_slots:
+            trace = await run_in_threadpool(parsed_trace, body)
+        job_id = await run_in_threadpool(jobs.submit, body.model_dump(), trace, "ab")
     except TooManyJobs as exc:
         raise _invalid(("body",), str(exc), "too_many_jobs") from None
+    return AbJobCreated(id=job_id)
 
 
 @router.get("", response_model=list[AbJobOut])

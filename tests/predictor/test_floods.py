@@ -134,3 +134,39 @@ def test_concurrent_oversized_batches_are_refused_within_the_memory_budget(tmp_p
     print(f"16 oversized batches at once: peak RSS {peak:.0f} MB")
     assert statuses == [413] * 16
     assert peak < 2 * RSS_BUDGET_MB
+
+
+def test_concurrent_oversized_uploaded_traces_are_refused_within_bounds(tmp_path):
+    """Sixteen A/B comparisons at once, each uploading a CSV trace of 1,000,000 requests
+    (17 MB; at most 200,000 are replayed) from four loopback addresses: every one a 422, the
+    peak RSS under three times the budget (the bodies held, as bytes and as the parsed
+    string, and two traces parsed at a time). Each trace used to be parsed whole, all at
+    once, before its length was checked (peak 3.6 GB, 88 s); now at most 200,001 rows are
+    parsed, INGEST_CONCURRENCY traces at a time."""
+    import json
+    import threading
+
+    rows = "".join(f"{i * 0.01:.2f},{900 + i % 77},{100 + i % 300}\n" for i in range(1_000_000))
+    body = json.dumps({"policies": ["br0"], "trace": {
+        "format": "csv", "content": "arrival_s,prompt_tokens,output_tokens\n" + rows}}).encode()
+    del rows
+    answers: list[tuple[int, str]] = []
+    with live_process(f"sqlite:///{tmp_path / 't.db'}") as (base, process):
+        def send(k: int) -> None:
+            transport = httpx.HTTPTransport(local_address=f"127.0.0.{2 + k % 4}")
+            with httpx.Client(transport=transport, timeout=300) as client:
+                got = client.post(base + "/v1/ab-comparisons", content=body,
+                                  headers={"content-type": "application/json"})
+                answers.append((got.status_code, got.json()["detail"][0]["msg"]))
+
+        threads = [threading.Thread(target=send, args=(k,)) for k in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        assert httpx.get(base + "/v1/ab-comparisons").json() == []  # nothing queued
+        peak = peak_rss_mb(process.pid)
+    print(f"16 oversized traces at once: peak RSS {peak:.0f} MB")
+    assert answers == [(422, "more than 200000 requests; at most 200000 (requests keeps the "
+                              "first ones)")] * 16
+    assert peak < 3 * RSS_BUDGET_MB

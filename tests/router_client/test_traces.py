@@ -8,7 +8,7 @@ import pytest
 
 from router_client.errors import TraceError, TraceFormatError
 from router_client.synth import parse_spec, synthesize
-from router_client.traces import detect_format, load_trace, parse_trace
+from router_client.traces import detect_format, load_trace, parse_trace, parse_trace_head
 
 
 def test_azure_trace_as_published(shared_traces):
@@ -200,17 +200,25 @@ def test_first_requests_read_alone_equal_the_whole_files_head(shared_traces, nam
     path = shared_traces / name
     full = _whole_file(str(path))
     whole = full.head(requests)
+    text = path.read_text(encoding="utf-8") if requests in (7, 4010) else None
     for fmt in ("auto", {"A": "azure", "c": "mooncake", "s": "sharegpt"}[name[0]]):
-        head = load_trace(str(path), fmt, requests)
-        assert len(head) == len(whole) == min(requests, len(full))
-        assert np.array_equal(head.prompt_tokens, whole.prompt_tokens)
-        assert np.array_equal(head.output_tokens, whole.output_tokens)
-        assert np.array_equal(head.censored, whole.censored)
-        assert head.prompt_keys == whole.prompt_keys
-        if whole.arrival_s is None:
-            assert head.arrival_s is None
-        else:
-            assert np.array_equal(head.arrival_s, whole.arrival_s)
+        heads = [load_trace(str(path), fmt, requests)]
+        if text is not None:  # an uploaded trace (POST /v1/ab-comparisons): the same rows
+            heads.append(parse_trace_head(text, fmt, "upload", requests))
+        for head in heads:
+            _same_rows(head, whole, min(requests, len(full)))
+
+
+def _same_rows(head, whole, count: int) -> None:
+    assert len(head) == len(whole) == count
+    assert np.array_equal(head.prompt_tokens, whole.prompt_tokens)
+    assert np.array_equal(head.output_tokens, whole.output_tokens)
+    assert np.array_equal(head.censored, whole.censored)
+    assert head.prompt_keys == whole.prompt_keys
+    if whole.arrival_s is None:
+        assert head.arrival_s is None
+    else:
+        assert np.array_equal(head.arrival_s, whole.arrival_s)
 
 
 def test_first_requests_stop_reading_the_file(tmp_path):

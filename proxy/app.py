@@ -298,9 +298,9 @@ class Proxy:
         config = self.config
         up = sum(engine.up for engine in self.engines.engines)
         log.info("routing with %s over %d decode ranks of %d slots (%d up)%s%s",
-                    config.policy, len(config.decode), config.batch, up,
-                    f", {len(config.prefill)} prefill instances" if config.prefill else "",
-                    f", predictions from {config.predictor_url}" if self.predictor else "")
+                 config.policy, len(config.decode), config.batch, up,
+                 f", {len(config.prefill)} prefill instances" if config.prefill else "",
+                 f", predictions from {config.predictor_url}" if self.predictor else "")
 
     async def shutdown(self) -> None:
         for task in self.tasks:

@@ -90,8 +90,8 @@ class BackgroundPredictor:
     It answers from the last completed refresh, everything the inner predictor gave: ``c_hat``,
     the two-point law (``p_fin``, ``mu_rem``) and the service's recommendation. A request the
     refresh did not ask about gets the prior: ``c_hat = H``, not ending within the window.
-    Before the first answer it says ``warming`` (not a failure); a failed, drifted or stale
-    answer is ``Prediction(None)`` (drifted: flagged), so RouterClient falls back to BR-0.
+    Before the first answer it says ``warming`` (not a failure); a failed or stale answer is
+    ``Prediction(None)`` and a drifted one is flagged, so RouterClient falls back to BR-0.
     """
 
     def __init__(self, inner: Predictor, max_age_s: float = 10.0) -> None:

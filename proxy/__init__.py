@@ -4,3 +4,5 @@ tests and capacity planning, and a load generator (the paper's serving proxy).
 Built on :mod:`router_client` (``RouterClient`` holds the fleet state); it talks to the
 prediction service only over HTTP and never imports ``predictor`` or ``models``.
 """
+
+POLICIES = ("br0", "brh", "jsq", "rr", "ltl")  # what ``balanceroute proxy --policy`` takes

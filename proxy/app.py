@@ -55,6 +55,7 @@ from router_client.predictors import Predictor
 from router_client.sse import StreamTelemetry
 from router_client.traces import key_of_text
 
+from . import POLICIES
 from .dispatcher import BackgroundPredictor, Dispatcher, RankMaskPolicy
 from .emulator import wait_disconnect
 from .engines import EngineSet, retry_after_s
@@ -65,7 +66,6 @@ from .tokens import body_problem, prompt_tokens
 
 log = logging.getLogger("balanceroute.proxy")
 
-POLICIES = ("br0", "brh", "jsq", "rr", "ltl")
 PREFILL_PROBE_KV = {"do_remote_decode": True, "do_remote_prefill": False,
                     "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
                     "remote_port": None}

@@ -20,6 +20,8 @@ from predictor.asgi import BODY_BUDGET, BODY_LIMIT, MIN_BODY_LIMIT
 from router_client.errors import ParameterError
 from router_client.simulator import DEFAULT_STEP_COST, parse_step_cost
 
+from . import POLICIES
+
 T = TypeVar("T")
 
 
@@ -78,7 +80,7 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
                        help="prefill instance URLs (two-phase requests with kv_transfer_params)")
     proxy.add_argument("--host", default="127.0.0.1")
     proxy.add_argument("--port", type=_port, default=8080)
-    proxy.add_argument("--policy", default="br0", choices=["br0", "brh", "jsq", "rr", "ltl"])
+    proxy.add_argument("--policy", default="br0", choices=POLICIES)
     proxy.add_argument("--predictor-url", default=None,
                        help="prediction service for BR-H (required with --policy brh; BR-H "
                        "routes as BR-0 while the service is unreachable or its answers drift)")
@@ -173,7 +175,12 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     fleet.add_argument("--time-scale", type=_positive_float, default=0.25,
                        help="the emulator's speed-up over the cost model (default 0.25)")
     fleet.add_argument("--policies", default="br0,jsq,rr",
-                       help="proxy policies, the first is the reference (default br0,jsq,rr)")
+                       help="proxy policies (br0, brh, jsq, rr, ltl), the first is the "
+                       "reference (default br0,jsq,rr); brh asks a prediction service and is "
+                       "compared with ab's brh-<the service's auto estimator>")
+    fleet.add_argument("--predictor-url", default=None,
+                       help="the prediction service brh asks (default: a fresh balanceroute "
+                       "serve on SQLite per brh run, learning online from the run)")
     fleet.add_argument("--seed", type=int, default=0)
     fleet.add_argument("--json", type=Path, default=None)
     fleet.set_defaults(handler=cmd_bench_proxy_ab)
@@ -303,8 +310,14 @@ def cmd_bench_proxy_ab(args: argparse.Namespace) -> int:
 
     trace = load_trace(args.trace, args.format, args.requests)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        print(f"error: --policies: {', '.join(unknown) or 'none given'}: the proxy's policies "
+              f"are {', '.join(POLICIES)}", file=sys.stderr)
+        return 2
     config = FleetBenchConfig(workers=args.workers, batch=args.batch, step_cost=args.step_cost,
-                              time_scale=args.time_scale, seed=args.seed)
+                              time_scale=args.time_scale, seed=args.seed,
+                              predictor_url=args.predictor_url)
     rows = compare(trace, policies, config)
     print(f"trace {args.trace}: {len(trace)} requests, G={args.workers}, B={args.batch}, "
           f"backlog (closed loop of G*B + 4G), step cost {args.step_cost[0]:g}*max_load + "

@@ -11,6 +11,12 @@ ranks kept full and ``4 * G`` requests waiting in the proxy's pool, in trace ord
 but does not change the figures), over the steps up to the last admission, as ``ab`` counts
 them. Then ``ab`` replays the same requests in the simulator, and each policy's ratio to BR-0
 is compared between the two.
+
+``brh`` runs the proxy's BR-H against a prediction service: the one ``predictor_url`` names,
+else a fresh ``balanceroute serve`` (SQLite in the run's temporary directory) started for the
+run, which learns online from what the proxy reports as requests finish, as a newly deployed
+service would. Its ``ab`` counterpart is ``brh-<the service's auto estimator>``, learned in
+process from the same completions.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ from typing import Any
 import httpx
 import numpy as np
 
-from predictor.livesrv import stop_process, wait_ready
+from predictor.livesrv import live_server, stop_process, wait_ready
 from router_client.traces import Trace
 
 from .emulator import summarize
 from .loadgen import LoadConfig, run
 
 BACKLOG_PER_RANK = 4
+SERVICE_POLICY = "brh"  # the proxy policy that asks a prediction service
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,7 @@ class FleetBenchConfig:
     step_cost: tuple[float, float] = (1.5e-7, 0.010)
     time_scale: float = 0.25
     seed: int = 0
+    predictor_url: str | None = None  # for ``brh``; None: a fresh service per run
 
 
 def _free_base(count: int) -> int:
@@ -145,6 +153,36 @@ def run_policy(trace: Trace, policy: str, config: FleetBenchConfig, workdir: str
     return row
 
 
+def ab_counterpart(policy: str) -> str:
+    """The ``ab`` policy a proxy policy is compared with: itself, and for ``brh`` BR-H with the
+    estimator the service answers ``auto`` queries with, learned in process."""
+    if policy != SERVICE_POLICY:
+        return policy
+    from predictor.estimators import estimator_spec
+    from predictor.settings import Settings
+
+    return estimator_spec(Settings().auto_estimator).policy
+
+
+def run_with_service(trace: Trace, config: FleetBenchConfig, workdir: str) -> dict[str, Any]:
+    """The proxy's BR-H asking ``config.predictor_url``, else a fresh service started for the
+    run; the row adds what the service learned and answered."""
+    if config.predictor_url:
+        row = run_policy(trace, SERVICE_POLICY, config, workdir,
+                         ("--predictor-url", config.predictor_url))
+        return {**row, **_service_figures(config.predictor_url)}
+    database = os.path.join(workdir, f"service-{time.monotonic_ns()}.db")
+    with live_server(f"sqlite:///{database}") as url:
+        row = run_policy(trace, SERVICE_POLICY, config, workdir, ("--predictor-url", url))
+        return {**row, **_service_figures(url)}
+
+
+def _service_figures(url: str) -> dict[str, Any]:
+    status = httpx.get(url + "/v1/status", timeout=10.0).json()
+    return {"service_observations": status.get("observations"),
+            "service_drifted": status.get("drifted")}
+
+
 def simulate(trace: Trace, policies: list[str], config: FleetBenchConfig) -> dict[str, dict]:
     """``balanceroute ab --load backlog`` on the same requests and fleet."""
     from predictor.abtest import run_comparison
@@ -163,14 +201,19 @@ def compare(trace: Trace, policies: list[str], config: FleetBenchConfig,
     with tempfile.TemporaryDirectory(prefix="proxy-ab-") as workdir:
         for policy in policies:
             started = time.monotonic()
-            rows.append(run_policy(trace, policy, config, workdir))
+            if policy == SERVICE_POLICY:
+                rows.append(run_with_service(trace, config, workdir))
+            else:
+                rows.append(run_policy(trace, policy, config, workdir))
             if progress:
                 print(f"{policy}: {time.monotonic() - started:.0f} s wall", file=sys.stderr)
-    sim = simulate(trace, policies, config)
+    counterparts = {p: ab_counterpart(p) for p in policies}
+    sim = simulate(trace, list(dict.fromkeys(counterparts.values())), config)
     reference = next((r for r in rows if r["policy"] == "br0"), rows[0])
-    sim_reference = sim[reference["policy"]]
+    sim_reference = sim[counterparts[reference["policy"]]]
     for row in rows:
-        ab = sim[row["policy"]]
+        ab = sim[counterparts[row["policy"]]]
+        row["ab_policy"] = counterparts[row["policy"]]
         row["ab_throughput_tok_s"] = ab["throughput_tok_s"]
         row["ab_imbalance_maxmin_mean"] = ab["imbalance_maxmin_mean"]
         row["ratio"] = row["throughput_tok_s"] / reference["throughput_tok_s"]
@@ -189,6 +232,14 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             f"{r['imbalance_maxmin_mean']:8.0f} {r['ab_throughput_tok_s']:9.0f} "
             f"{r['ab_ratio']:7.4f} {r['ab_imbalance_maxmin_mean']:8.0f} "
             f"{100 * r['agreement']:+10.2f}% {r['failed']:6d} {r['wall_s']:6.0f}")
+    for r in rows:
+        if r["policy"] == SERVICE_POLICY:
+            lines.append(
+                f"{r['policy']}: compared with ab's {r['ab_policy']}; {r['fallback_rounds']} of "
+                f"{r['router_rounds']:.0f} rounds routed as BR-0 (fallback), routing "
+                f"{r['router_ms_mean']:.2f} ms a round; the service learned "
+                f"{r.get('service_observations')} observations (drifted: "
+                f"{r.get('service_drifted')})")
     return "\n".join(lines)
 
 

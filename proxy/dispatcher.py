@@ -40,7 +40,13 @@ import numpy as np
 from router_client.client import RouterClient
 from router_client.fleet import FleetView, WaitingRequest
 from router_client.policies import Decision, Policy
-from router_client.predictors import ActiveBatch, FinishedBatch, Prediction, Predictor
+from router_client.predictors import (
+    ActiveBatch,
+    FinishedBatch,
+    Prediction,
+    Predictor,
+    aged_c_hat,
+)
 
 from .metrics import ProxyMetrics
 from .pool import PendingPool
@@ -88,7 +94,10 @@ class BackgroundPredictor:
     """A :class:`Predictor` whose ``predict`` never waits on the network.
 
     It answers from the last completed refresh, everything the inner predictor gave: ``c_hat``,
-    the two-point law (``p_fin``, ``mu_rem``) and the service's recommendation. A request the
+    the two-point law (``p_fin``, ``mu_rem``) and the service's recommendation, aged by the
+    tokens each request generated since that refresh asked about it (the answer is one refresh
+    old: the query of this call is answered at a later one), as
+    :class:`~router_client.prediction.PredictionCache` ages it between refreshes. A request the
     refresh did not ask about gets the prior: ``c_hat = H``, not ending within the window.
     Before the first answer it says ``warming`` (not a failure); a failed or stale answer is
     ``Prediction(None)`` and a drifted one is flagged, so RouterClient falls back to BR-0.
@@ -99,8 +108,9 @@ class BackgroundPredictor:
         self.name = getattr(inner, "name", "background")
         self.max_age_s = max_age_s
         self.lock = threading.Lock()
-        # request id -> (c_hat, p_fin, mu_rem); p_fin/mu_rem NaN when the answer had none
-        self.answer: dict[str, tuple[float, float, float]] | None = None
+        # request id -> (c_hat, p_fin, mu_rem, tokens generated when asked); p_fin and mu_rem
+        # NaN when the answer had none
+        self.answer: dict[str, tuple[float, float, float, int]] | None = None
         self.has_law = False
         self.recommendation: dict | None = None
         self.drifted = False
@@ -121,14 +131,19 @@ class BackgroundPredictor:
             return Prediction(None, warming=True)
         if answer is None or stale:
             return Prediction(None)
-        prior = (float(horizon), 0.0, float(horizon))  # unseen: runs through the window
+        prior = (float(horizon), 0.0, float(horizon), -1)  # unseen: runs through the window
         rows = [answer.get(str(r), prior) for r in batch.request_ids.tolist()]
         n = len(rows)
-        c_hat = np.fromiter((row[0] for row in rows), np.float64, n)
+        then = np.fromiter((row[3] for row in rows), np.int64, n)
+        elapsed = np.where(then >= 0, np.maximum(
+            np.asarray(batch.generated_tokens, dtype=np.int64) - then, 0), 0)
+        c_hat = aged_c_hat(np.fromiter((row[0] for row in rows), np.float64, n), elapsed,
+                           horizon)
         p_fin = mu_rem = None
         if has_law:
             p_fin = np.fromiter((row[1] for row in rows), np.float64, n)
             mu_rem = np.fromiter((row[2] for row in rows), np.float64, n)
+            mu_rem = np.where(np.isfinite(mu_rem), np.maximum(mu_rem - elapsed, 1.0), mu_rem)
         return Prediction(c_hat, drifted=drifted, recommendation=recommendation,
                           p_fin=p_fin, mu_rem=mu_rem)
 
@@ -152,7 +167,9 @@ class BackgroundPredictor:
                 laws = list(zip(np.asarray(prediction.p_fin, dtype=np.float64).tolist(),
                                 np.asarray(prediction.mu_rem, dtype=np.float64).tolist(),
                                 strict=True))
-            self.answer = {r: (c, p, m) for r, c, (p, m) in zip(ids, c_hat, laws, strict=True)}
+            asked = np.asarray(batch.generated_tokens, dtype=np.int64).tolist()
+            self.answer = {r: (c, p, m, g) for r, c, (p, m), g
+                           in zip(ids, c_hat, laws, asked, strict=True)}
             self.drifted = prediction.drifted
             if prediction.recommendation is not None:
                 self.recommendation = prediction.recommendation

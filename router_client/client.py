@@ -83,6 +83,7 @@ class RouterClient:
         self.steps = 0
         self.arrivals = ArrivalRate()  # requests entering the pool per step (BR-H's turnover)
         self._arrived = 0
+        self._tokens_at_tick: dict[str, int] = {}  # running requests' tokens at the last tick
 
     @property
     def controller(self) -> FallbackController:
@@ -118,18 +119,27 @@ class RouterClient:
         """One step: refresh if due, reap, route; returns (request_id, worker) dispatches."""
         step = self.steps
         self.steps += 1
-        if self.predictions.due(step):
-            self._refresh(step)
+        decode_steps = 1
+        if self.predictions.enabled:
+            active = self.fleet.active
+            running = list(active)
+            generated = np.fromiter((r.generated for r in active.values()), np.int64,
+                                    len(active))
+            decode_steps = self._decode_steps(running, generated)
+            if self.predictions.due(step, running, generated):
+                self._refresh(step)
         self.fleet.reap(now)
-        self.arrivals.add(self._arrived)
+        self.arrivals.add(self._arrived, decode_steps)
         self._arrived = 0
         dispatches: list[tuple[str, int]] = []
         if self.fleet.pool:
             view, pool = self.fleet.view()
             view = replace(view, arrival_rate=self.arrivals.rate)
             if self.policy.needs_predictions:
-                view = self.predictions.annotate(view, list(self.fleet.active),
-                                                 [r.request_id for r in pool], step)
+                active = self.fleet.active
+                view = self.predictions.annotate(
+                    view, list(active), [r.request_id for r in pool], step,
+                    np.fromiter((r.generated for r in active.values()), np.int64, len(active)))
             for assignment in self.policy.route(view, pool).assignments:
                 request_id = str(pool[assignment.pool_index].request_id)
                 if self.fleet.dispatch(request_id, assignment.worker, now):
@@ -137,6 +147,17 @@ class RouterClient:
                     self.predictions.on_admit(request_id, step)
         self._report()
         return dispatches
+
+    def _decode_steps(self, running: list[str], generated: np.ndarray) -> int:
+        """Decode steps since the last tick, for the arrival rate (per step, as BR-H's turnover
+        reads it): the most tokens a running request generated in between (one not running
+        at the last tick was dispatched by it, at 0 tokens). A proxy ticks when a slot frees,
+        often several steps apart, or twice within one; 1 (a tick) with none running."""
+        before = self._tokens_at_tick
+        steps = max((g - before.get(r, 0) for r, g in zip(running, generated.tolist(),
+                                                           strict=True)), default=None)
+        self._tokens_at_tick = dict(zip(running, generated.tolist(), strict=True))
+        return 1 if steps is None else max(steps, 0)
 
     def _refresh(self, step: int) -> None:
         active = list(self.fleet.active.values())

@@ -2,18 +2,25 @@
 
 :class:`PredictionCache` owns everything between a ``Predictor`` and a routing round:
 
-- **Refresh** every ``refresh_steps`` steps (:meth:`due`): one query for the active requests
-  and the waiting ones (the latter at 0 tokens generated, so a request admitted between
-  refreshes starts with its own prediction instead of the prior).
+- **Refresh** every ``refresh_steps`` steps (:meth:`due`; given the running requests' token
+  counts, as RouterClient gives them, also once one of them has generated ``refresh_steps``
+  tokens since the last refresh: a proxy's rounds are fewer than its decode steps; in the
+  simulator a step is a decode step): one query for the active requests and the waiting
+  ones (the latter at 0 tokens generated, so a request admitted between refreshes starts
+  with its own prediction instead of the prior).
 - **Health and fallback**: a refresh that fails (``c_hat is None``) or comes back
   ``drifted`` is unhealthy; the :class:`~router_client.fallback.FallbackController` decides
   whether BR-H may use predictions (BR-0 at once on an unhealthy refresh,
   ``healthy_to_return`` healthy ones to come back).
 - **Warming up**: an answer flagged ``warming`` (no answer yet, the first query running)
   routes as BR-0 without consulting the controller and is asked again at the next step.
-- **Aging** between refreshes (:func:`aged_c_hat`): an answer given ``e`` steps ago is
-  ``max(c_hat - e, 1)`` now; an answer at the cap H stays at H. A waiting request's life
-  starts when it is admitted (:meth:`on_admit`), not when it was asked about.
+- **Aging** between refreshes (:func:`aged_c_hat`): an answer given ``e`` decode steps ago
+  is ``max(c_hat - e, 1)`` now; an answer at the cap H stays at H. ``e`` is counted in the
+  request's own tokens generated since it was asked about, when the caller passes the
+  running requests' counts (the simulator and RouterClient do): a proxy's routing rounds are
+  not decode steps (it routes when a slot frees, a few steps apart), so counting rounds would
+  age answers too slowly. Without the counts, ``e`` is the rounds (``step``) since. A waiting
+  request's life starts when it is admitted (:meth:`on_admit`), not when it was asked about.
 - **Unknown requests** (admitted without any prediction) count as ``c_hat = H``, the
   conservative prior, until the next refresh.
 
@@ -67,14 +74,28 @@ class PredictionCache:
         self._c_hat: dict[Hashable, float] = {}
         self._law: dict[Hashable, tuple[float, float]] = {}  # (p_fin, mu_rem), when given
         self._since: dict[Hashable, int] = {}  # step the answer's clock started (active ones)
+        self._since_tokens: dict[Hashable, int] = {}  # tokens generated when it started
+        self._asked_tokens: dict[Hashable, int] = {}  # running ones' tokens at the last refresh
 
     @property
     def enabled(self) -> bool:
         return self.predictor is not None and self.horizon > 0
 
-    def due(self, step: int) -> bool:
-        return self.enabled and (self.last_refresh is None
-                                 or step - self.last_refresh >= self.refresh_steps)
+    def due(self, step: int, running: Sequence[Hashable] | None = None,
+            generated: Sequence[int] | np.ndarray | None = None) -> bool:
+        """Whether to refresh at ``step``: ``refresh_steps`` rounds since the last refresh, or,
+        given the running requests' token counts (same order as ``running``), as many decode
+        steps, counted as the most tokens any of them generated since it was asked about."""
+        if not self.enabled:
+            return False
+        if self.last_refresh is None or step - self.last_refresh >= self.refresh_steps:
+            return True
+        if running is None or generated is None or not self._asked_tokens:
+            return False
+        asked = self._asked_tokens
+        steps = max((int(g) - asked[r] for r, g in zip(running, generated, strict=True)
+                     if r in asked), default=0)
+        return steps >= self.refresh_steps
 
     def refresh(self, step: int, batch: ActiveBatch, n_active: int) -> Refresh:
         """Ask about ``batch``: its first ``n_active`` requests are running (their answers'
@@ -87,6 +108,9 @@ class PredictionCache:
             self.use_predictions = False
             return Refresh(step, False, "warming", False)
         self.last_refresh = step
+        self._asked_tokens = dict(zip(
+            batch.request_ids[:n_active].tolist(),
+            np.asarray(batch.generated_tokens[:n_active]).tolist(), strict=True))
         if prediction.c_hat is None:
             healthy, reason = False, "unavailable"
         elif prediction.drifted:
@@ -100,6 +124,9 @@ class PredictionCache:
             values = np.asarray(prediction.c_hat, dtype=np.float64).tolist()
             self._c_hat = dict(zip(ids, values, strict=True))
             self._since = dict.fromkeys(ids[:n_active], step)
+            self._since_tokens = dict(zip(
+                ids[:n_active], np.asarray(batch.generated_tokens[:n_active]).tolist(),
+                strict=True))
             self._law = {}
             if prediction.p_fin is not None and prediction.mu_rem is not None:
                 self._law = dict(zip(ids, zip(np.asarray(prediction.p_fin).tolist(),
@@ -112,11 +139,13 @@ class PredictionCache:
         """A waiting request starts running: a prediction made while it waited ages from now."""
         if request_id in self._c_hat:
             self._since[request_id] = step
+            self._since_tokens[request_id] = 0
 
     def forget(self, request_ids: Sequence[Hashable]) -> None:
         for request_id in request_ids:
             self._c_hat.pop(request_id, None)
             self._since.pop(request_id, None)
+            self._since_tokens.pop(request_id, None)
             self._law.pop(request_id, None)
 
     def waiting_c_hat(self, request_ids: Sequence[Hashable]) -> np.ndarray:
@@ -126,18 +155,21 @@ class PredictionCache:
                            len(request_ids))
 
     def annotate(self, view: FleetView, running: Sequence[Hashable],
-                 waiting: Sequence[Hashable], step: int) -> FleetView:
+                 waiting: Sequence[Hashable], step: int,
+                 generated: Sequence[int] | np.ndarray | None = None) -> FleetView:
         """``view`` with everything BR-H reads from predictions: the aged ``c_hat`` of the
         ``running`` requests (in the view's order; and ``p_fin``, aged ``mu_rem`` when the
-        predictor gave them) and the ``waiting`` ones' ``c_hat``. While BR-H must route as
-        BR-0 the view comes back without predictions (the round counts in
-        ``fallback_rounds``). The simulator and RouterClient both route through this."""
-        c_hat = self.c_hat_for(running, step)
+        predictor gave them) and the ``waiting`` ones' ``c_hat``. ``generated``: the running
+        requests' tokens generated so far (same order), which age the answers (see the module
+        docstring). While BR-H must route as BR-0 the view comes back without predictions
+        (the round counts in ``fallback_rounds``). The simulator and RouterClient both route
+        through this."""
+        c_hat = self.c_hat_for(running, step, generated)
         if c_hat is None:
             return view
         p_fin = mu_rem = None
         if self._law:
-            elapsed = step - self._since_of(running, step)
+            elapsed = self._elapsed(running, step, generated)
             unknown = (0.0, float(self.horizon))  # no answer: runs through the window
             laws = [self._law.get(r, unknown) for r in running]
             p_fin = np.fromiter((law[0] for law in laws), np.float64, len(laws))
@@ -146,9 +178,11 @@ class PredictionCache:
         return replace(view, active_c_hat=c_hat, pool_c_hat=self.waiting_c_hat(waiting),
                        active_p_fin=p_fin, active_mu_rem=mu_rem)
 
-    def c_hat_for(self, request_ids: Sequence[Hashable], step: int) -> np.ndarray | None:
+    def c_hat_for(self, request_ids: Sequence[Hashable], step: int,
+                  generated: Sequence[int] | np.ndarray | None = None) -> np.ndarray | None:
         """``c_hat`` now for running requests, or ``None`` while BR-H must route as BR-0
-        (each such call is counted in ``fallback_rounds`` when predictions are wanted)."""
+        (each such call is counted in ``fallback_rounds`` when predictions are wanted);
+        ``generated`` as in :meth:`annotate`."""
         if not self.use_predictions:
             if self.horizon > 0:
                 self.fallback_rounds += 1
@@ -156,7 +190,20 @@ class PredictionCache:
         horizon = float(self.horizon)
         answered = np.fromiter((self._c_hat.get(r, horizon) for r in request_ids),
                                np.float64, len(request_ids))
-        return aged_c_hat(answered, step - self._since_of(request_ids, step), self.horizon)
+        return aged_c_hat(answered, self._elapsed(request_ids, step, generated), self.horizon)
+
+    def _elapsed(self, request_ids: Sequence[Hashable], step: int,
+                 generated: Sequence[int] | np.ndarray | None) -> np.ndarray:
+        """Decode steps since each answer's clock started: tokens generated since, when
+        ``generated`` is given (0 for a request without an answer), else rounds since."""
+        if generated is None:
+            return step - self._since_of(request_ids, step)
+        now = np.asarray(generated, dtype=np.int64)
+        if now.shape != (len(request_ids),):
+            raise ValueError("generated must give one count per running request")
+        then = np.fromiter((self._since_tokens.get(r, -1) for r in request_ids), np.int64,
+                           len(request_ids))
+        return np.where(then >= 0, np.maximum(now - then, 0), 0)
 
     def _since_of(self, request_ids: Sequence[Hashable], step: int) -> np.ndarray:
         """The step each answer's clock started (now, for a request without one)."""

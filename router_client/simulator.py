@@ -423,8 +423,10 @@ class Simulation:
         visible = self.pool[: self.config.pool_window]
         view = replace(self.engine.view(), arrival_rate=self.arrivals_seen.rate)
         if self.policy.needs_predictions:
-            view = self.cache.annotate(view, self.engine.request[self.engine.active].tolist(),
-                                       [r.request_id for r in visible], self.step)
+            active = self.engine.active
+            view = self.cache.annotate(view, self.engine.request[active].tolist(),
+                                       [r.request_id for r in visible], self.step,
+                                       self.engine.generated[active])
             if view.active_c_hat is None:
                 self.metrics.fallback_rounds.append(self.step)
         decision = self.policy.route(view, visible)

@@ -75,6 +75,26 @@ def test_the_answer_keeps_the_law_and_the_advice_and_unseen_requests_get_the_pri
         background.close()
 
 
+def test_an_answer_one_refresh_old_is_aged_by_the_tokens_generated_since_it_was_asked():
+    inner = Gated()
+    inner.gate.set()
+    background = BackgroundPredictor(inner)
+    try:
+        asked = ActiveBatch(np.asarray(["a", "b", "w"], dtype=object),
+                            np.full(3, 100, dtype=np.int64), np.asarray([4, 0, 0]), [None] * 3)
+        background.predict(asked, 20)  # answered later: c_hat 5, 6, 7; mu_rem 3
+        _until(lambda: inner.queries == 1 and not background.running)
+        # since then: a generated 3 more tokens, b none, the waiting w was admitted and made 6
+        now = ActiveBatch(np.asarray(["a", "b", "w"], dtype=object),
+                          np.full(3, 100, dtype=np.int64), np.asarray([7, 0, 6]), [None] * 3)
+        answer = background.predict(now, 20)
+        np.testing.assert_array_equal(answer.c_hat, [2.0, 6.0, 1.0])
+        np.testing.assert_array_equal(answer.mu_rem, [1.0, 3.0, 1.0])
+        np.testing.assert_array_equal(answer.p_fin, [0.25, 0.25, 0.25])
+    finally:
+        background.close()
+
+
 def test_a_failed_first_query_is_a_failure_not_a_warm_up():
     inner = Gated(fail=True)
     background = BackgroundPredictor(inner)

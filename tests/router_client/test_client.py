@@ -10,6 +10,7 @@ from predictor.livesrv import live_server
 from router_client.admission import BalanceRouteParams
 from router_client.client import RouterClient, RouterConfig
 from router_client.fallback import BR0, BRH, FallbackController, RouterMetrics
+from router_client.fleet import ArrivalRate
 from router_client.http_predictor import HttpPredictor
 from router_client.policies import make_policy
 
@@ -144,6 +145,58 @@ def test_router_client_measures_the_arrival_rate_it_routes_with():
     client.tick(0.0)  # two admitted, one left waiting (capacity 1 per worker)
     client.tick(0.1)
     assert seen.rates == [3.0, pytest.approx(0.98 * 3 / 1.98)]
+
+
+class Constant:
+    """A predictor that answers ``c_hat = 30`` for every request."""
+
+    name = "constant"
+
+    def predict(self, batch, horizon):
+        from router_client.predictors import Prediction
+
+        return Prediction(np.full(len(batch.request_ids), 30.0))
+
+    def observe(self, finished):
+        pass
+
+
+class SeenCHat:
+    """A BR-H policy that keeps the running requests' ``c_hat`` of every view."""
+
+    name, needs_predictions = "brh", True
+
+    def __init__(self):
+        self.inner = make_policy("brh")
+        self.c_hat = []
+        self.rates = []
+
+    def route(self, fleet, pool):
+        self.c_hat.append(None if fleet.active_c_hat is None else fleet.active_c_hat.tolist())
+        self.rates.append(fleet.arrival_rate)
+        return self.inner.route(fleet, pool)
+
+
+def test_router_client_ages_answers_by_the_tokens_streamed_not_by_its_rounds():
+    """A proxy ticks when a slot frees, not once per decode step: between two ticks a request
+    may stream many tokens, and its answer must age by them."""
+    seen = SeenCHat()
+    client = RouterClient(RouterConfig(workers=1, capacity=1, refresh_steps=100),
+                          Constant(), policy=seen)
+    for name in ("a", "b"):
+        assert client.on_prefilled(name, 100, now=0.0)
+    assert client.tick(0.0) == [("a", 0)]  # refreshed (both waiting, asked at 0 tokens)
+    telemetry = client.stream("a")
+    for _ in range(12):
+        telemetry.feed(chunk("tok"), 0.05)
+    assert client.tick(0.1) == []  # b still waits: one slot
+    assert seen.c_hat[-1] == [18.0]  # 30 - 12 tokens, not 30 - 1 round
+    # the arrival rate is per decode step too: 2 arrivals, then none over 12 steps
+    expected = ArrivalRate()
+    expected.add(2)
+    expected.add(0, 12)
+    assert seen.rates == [2.0, pytest.approx(expected.rate)]
+    assert expected.rate < 0.98 * 2 / 1.98  # what counting the tick as one step gave
 
 
 def test_adopting_a_recommendation_keeps_the_guards_wait_count():

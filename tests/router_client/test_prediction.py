@@ -43,12 +43,37 @@ def test_refresh_schedule_every_refresh_steps():
     assert not cache.due(9) and cache.due(10) and cache.due(23)
 
 
+def test_given_token_counts_a_refresh_is_due_after_refresh_steps_decode_steps():
+    cache = PredictionCache(Scripted([[30.0, 30.0]]), horizon=80, refresh_steps=10)
+    cache.refresh(0, batch(["a", "b"], [5, 0]), n_active=1)  # b was waiting
+    assert not cache.due(3, ["a", "b"], [14, 40])  # a: 9 tokens since; b was not running
+    assert cache.due(3, ["b", "a"], [40, 15])  # a: 10 tokens since, in 3 rounds
+    assert not cache.due(3, ["b"], [40]) and not cache.due(3)  # rounds alone: 3 of 10
+    assert cache.due(10, ["b"], [40])
+
+
 def test_aging_cap_floor_and_unknown_requests():
     cache = PredictionCache(Scripted([[30.0, 80.0, 2.0]]), horizon=80)
     cache.refresh(0, batch(["a", "b", "c"], [5, 5, 5]), n_active=3)
     got = cache.c_hat_for(["a", "b", "c", "new"], step=4)
     # a: 30 - 4; b: at the cap H stays H; c: floored at 1; unknown: the prior H
     np.testing.assert_array_equal(got, [26.0, 80.0, 1.0, 80.0])
+
+
+def test_with_token_counts_answers_age_by_the_tokens_generated_not_the_rounds():
+    # A proxy routes when a slot frees, several decode steps apart: its rounds (``step``)
+    # are not decode steps; the requests' own token counts are.
+    cache = PredictionCache(Scripted([[30.0, 80.0, 2.0, 40.0]]), horizon=80)
+    cache.refresh(0, batch(["a", "b", "c", "wait"], [5, 5, 5, 0]), n_active=3)
+    cache.on_admit("wait", step=1)
+    # two rounds later: a generated 12 more tokens, c 3, the admitted one 9; "new" has no answer
+    got = cache.c_hat_for(["a", "b", "c", "wait", "new"], step=2,
+                          generated=[17, 17, 8, 9, 4])
+    np.testing.assert_array_equal(got, [18.0, 80.0, 1.0, 31.0, 80.0])
+    # without the counts the rounds age them (the simulator's steps, where they coincide)
+    np.testing.assert_array_equal(cache.c_hat_for(["a", "wait"], step=2), [28.0, 39.0])
+    with pytest.raises(ValueError, match="one count per running request"):
+        cache.c_hat_for(["a", "b"], step=2, generated=[1])
 
 
 def test_a_waiting_request_ages_from_its_admission():

@@ -6,3 +6,4 @@ prediction service only over HTTP and never imports ``predictor`` or ``models``.
 """
 
 POLICIES = ("br0", "brh", "jsq", "rr", "ltl")  # what ``balanceroute proxy --policy`` takes
+LENGTHS_FROM = ("service", "max-tokens")  # where ``--policy brh`` takes its predictions from

@@ -55,8 +55,8 @@ from router_client.predictors import Predictor
 from router_client.sse import StreamTelemetry
 from router_client.traces import key_of_text
 
-from . import POLICIES
-from .dispatcher import BackgroundPredictor, Dispatcher, RankMaskPolicy
+from . import LENGTHS_FROM, POLICIES
+from .dispatcher import BackgroundPredictor, Dispatcher, MaxTokensPredictor, RankMaskPolicy
 from .emulator import wait_disconnect
 from .engines import EngineSet, retry_after_s
 from .metrics import ProxyMetrics
@@ -65,6 +65,12 @@ from .relay import NATURAL_TOOL_FINISHES, Aggregate, is_usage_only
 from .tokens import body_problem, prompt_tokens
 
 log = logging.getLogger("balanceroute.proxy")
+
+# A client that knows what its requests share (a template, a conversation) names it: the
+# prediction service's ExactMatch groups requests by this key (API.md's prompt_key); without
+# it, the key is the xxh3_64 hash of the prompt (or messages) JSON.
+PROMPT_KEY_HEADER = "x-prompt-key"
+MAX_PROMPT_KEY = 256
 
 PREFILL_PROBE_KV = {"do_remote_decode": True, "do_remote_prefill": False,
                     "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
@@ -77,6 +83,7 @@ class ProxyConfig:
     prefill: list[str] = field(default_factory=list)
     policy: str = "br0"
     predictor_url: str | None = None
+    lengths_from: str = "service"  # BR-H's predictions: "service" or "max-tokens"
     batch: int = 64
     bypass: bool = False
     horizon: int = 80
@@ -103,8 +110,12 @@ class ProxyConfig:
             raise ValueError("at least one --decode URL is needed")
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}")
-        if self.policy == "brh" and not self.predictor_url:
-            raise ValueError("--policy brh needs --predictor-url")
+        if self.lengths_from not in LENGTHS_FROM:
+            raise ValueError(f"--lengths-from must be one of {', '.join(LENGTHS_FROM)}")
+        if self.policy == "brh" and self.lengths_from == "service" and not self.predictor_url:
+            raise ValueError("--policy brh needs --predictor-url (or --lengths-from max-tokens)")
+        if self.lengths_from == "max-tokens" and self.predictor_url:
+            raise ValueError("--lengths-from max-tokens takes no --predictor-url")
         if self.guard is not None and self.guard not in GUARD_RULES:
             raise ValueError(f"--guard must be one of {', '.join(GUARD_RULES)}")
         if self.step_overhead is not None and not self.step_overhead >= 0:
@@ -198,6 +209,7 @@ class Call:
     prefill_tokens: int = 0
     outcome: str = "cancelled"
     closed: bool = False
+    prompt_key: str | None = None  # the client's X-Prompt-Key; else the prompt text's hash
 
 
 class PrefillBudget:
@@ -236,8 +248,12 @@ class Proxy:
         params = replace(params, guard=config.guard, step_overhead=config.step_overhead,
                          patience=config.patience)
         self.predictor: BackgroundPredictor | None = None
+        self.lengths: MaxTokensPredictor | None = None
         predictor: Predictor | None = None
-        if config.policy == "brh" and config.predictor_url:
+        if config.policy == "brh" and config.lengths_from == "max-tokens":
+            self.lengths = MaxTokensPredictor()
+            predictor = self.lengths
+        elif config.policy == "brh" and config.predictor_url:
             inner = HttpPredictor(config.predictor_url, id_prefix=f"proxy-{uuid.uuid4().hex[:6]}-")
             self.predictor = BackgroundPredictor(inner)
             predictor = self.predictor
@@ -300,7 +316,8 @@ class Proxy:
         log.info("routing with %s over %d decode ranks of %d slots (%d up)%s%s",
                  config.policy, len(config.decode), config.batch, up,
                  f", {len(config.prefill)} prefill instances" if config.prefill else "",
-                 f", predictions from {config.predictor_url}" if self.predictor else "")
+                 f", predictions from {config.predictor_url}" if self.predictor else
+                 ", lengths from max_tokens" if self.lengths else "")
 
     async def shutdown(self) -> None:
         for task in self.tasks:
@@ -323,13 +340,18 @@ class Proxy:
             return ProxyError(400, f"invalid JSON body: {exc}", "invalid_request_error"
                               ).response()
         headers, problem = _forwarded_headers(request)
+        prompt_key = request.headers.get(PROMPT_KEY_HEADER)
+        if prompt_key is not None and not 1 <= len(prompt_key) <= MAX_PROMPT_KEY:
+            problem = problem or (f"the X-Prompt-Key header must be 1 to {MAX_PROMPT_KEY} "
+                                  "characters")
         problem = problem or body_problem(body, chat)
         if problem is not None:
             self.metrics.requests.labels("invalid").inc()
             return ProxyError(400, problem, "invalid_request_error").response()
         self.calls += 1
         call = Call(f"br-{uuid.uuid4().hex}", chat, bool(body.get("stream")),
-                    bool((body.get("stream_options") or {}).get("include_usage")), headers)
+                    bool((body.get("stream_options") or {}).get("include_usage")), headers,
+                    prompt_key=prompt_key)
         start = asyncio.ensure_future(self.start(call, body, path))
         if not await self._race(start, request):
             await self.close(call)
@@ -379,7 +401,8 @@ class Proxy:
         """Prefill (if any), pool, routing, and the upstream stream's headers."""
         estimate = prompt_tokens(body)
         source = body.get("messages") if call.chat else body.get("prompt")
-        key = key_of_text(orjson.dumps(source).decode()) if source is not None else None
+        key = call.prompt_key or (key_of_text(orjson.dumps(source).decode())
+                                  if source is not None else None)
         upstream = dict(body)
         upstream["stream"] = True
         upstream["stream_options"] = {**(body.get("stream_options") or {}),
@@ -403,6 +426,9 @@ class Proxy:
                 raise ProxyError(503, "no decode rank is up", "service_unavailable",
                                  headers={"retry-after": str(max(
                                      1, math.ceil(self.config.probe_interval_s)))})
+            if self.lengths is not None:
+                self.lengths.expect(call.request_id, body.get("max_completion_tokens",
+                                                              body.get("max_tokens")))
             rank = await self._admit(call, tokens, key)
             call.rank = rank
             try:
@@ -440,7 +466,8 @@ class Proxy:
                     raise self._busy_answer(refused)
                 raise upstream_error(status, answer, f"decode rank {rank}",
                                      {"retry-after": asked} if asked else None)
-            call.telemetry = self.client.stream(call.request_id)
+            call.telemetry = self.client.stream(call.request_id,
+                                                fixed_length=body.get("ignore_eos") is True)
             return
         if refused is not None:
             raise self._busy_answer(refused)

@@ -20,7 +20,7 @@ from predictor.asgi import BODY_BUDGET, BODY_LIMIT, MIN_BODY_LIMIT
 from router_client.errors import ParameterError
 from router_client.simulator import DEFAULT_STEP_COST, parse_step_cost
 
-from . import POLICIES
+from . import LENGTHS_FROM, POLICIES
 
 T = TypeVar("T")
 
@@ -84,6 +84,11 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     proxy.add_argument("--predictor-url", default=None,
                        help="prediction service for BR-H (required with --policy brh; BR-H "
                        "routes as BR-0 while the service is unreachable or its answers drift)")
+    proxy.add_argument("--lengths-from", default="service", choices=LENGTHS_FROM,
+                       help="BR-H's predictions: the service at --predictor-url (default), or "
+                       "each request's max_tokens as its length (true lengths where clients "
+                       "send ignore_eos, as benchmark replays do: BR-H with perfect "
+                       "information through the proxy, a diagnostic)")
     proxy.add_argument("--batch", type=_count, default=64,
                        help="B: concurrent requests per decode rank (default 64)")
     proxy.add_argument("--bypass", action="store_true",
@@ -175,9 +180,10 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     fleet.add_argument("--time-scale", type=_positive_float, default=0.25,
                        help="the emulator's speed-up over the cost model (default 0.25)")
     fleet.add_argument("--policies", default="br0,jsq,rr",
-                       help="proxy policies (br0, brh, jsq, rr, ltl), the first is the "
-                       "reference (default br0,jsq,rr); brh asks a prediction service and is "
-                       "compared with ab's brh-<the service's auto estimator>")
+                       help="proxy policies (br0, brh, brh-oracle, jsq, rr, ltl), the first is "
+                       "the reference (default br0,jsq,rr); brh asks a prediction service and is "
+                       "compared with ab's brh-<the service's auto estimator>; brh-oracle takes "
+                       "each request's max_tokens (the trace's true length) as its length")
     fleet.add_argument("--predictor-url", default=None,
                        help="the prediction service brh asks (default: a fresh balanceroute "
                        "serve on SQLite per brh run, learning online from the run)")
@@ -249,7 +255,8 @@ def _proxy_config(args: argparse.Namespace) -> Any:
     from .app import ProxyConfig
 
     return ProxyConfig(decode=args.decode, prefill=args.prefill, policy=args.policy,
-                       predictor_url=args.predictor_url, batch=args.batch, bypass=args.bypass,
+                       predictor_url=args.predictor_url, lengths_from=args.lengths_from,
+                       batch=args.batch, bypass=args.bypass,
                        pool_max=args.pool_max, pool_ttl_s=args.pool_ttl,
                        engine_timeout_s=args.engine_timeout,
                        connect_timeout_s=args.connect_timeout,
@@ -306,14 +313,14 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def cmd_bench_proxy_ab(args: argparse.Namespace) -> int:
     from router_client.traces import load_trace
 
-    from .fleetbench import FleetBenchConfig, compare, format_rows
+    from .fleetbench import BENCH_POLICIES, FleetBenchConfig, compare, format_rows
 
     trace = load_trace(args.trace, args.format, args.requests)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in policies if p not in BENCH_POLICIES]
     if unknown or not policies:
         print(f"error: --policies: {', '.join(unknown) or 'none given'}: the proxy's policies "
-              f"are {', '.join(POLICIES)}", file=sys.stderr)
+              f"are {', '.join(BENCH_POLICIES)}", file=sys.stderr)
         return 2
     config = FleetBenchConfig(workers=args.workers, batch=args.batch, step_cost=args.step_cost,
                               time_scale=args.time_scale, seed=args.seed,

@@ -90,6 +90,36 @@ class RankMaskPolicy:
         return self.last
 
 
+class MaxTokensPredictor:
+    """BR-H's lengths from each request's own ``max_tokens``: ``c_hat = min(max_tokens -
+    generated, H)``, true lengths where the client sends ``ignore_eos`` (a benchmark's replay,
+    as ``bench proxy-ab`` sends), an upper bound otherwise; a request without one gets the
+    prior (``c_hat = H``). The proxy's counterpart of the simulator's oracle, to tell what the
+    proxy's mechanics cost BR-H from what the predictions cost it (``--lengths-from
+    max-tokens``). In process: it answers at once, never fails or drifts."""
+
+    name = "max-tokens"
+
+    def __init__(self) -> None:
+        self.limits: dict[str, int] = {}
+
+    def expect(self, request_id: str, max_tokens: object) -> None:
+        """Note a request's ``max_tokens`` as it enters the pool (ignored unless an int >= 1)."""
+        if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1:
+            self.limits[request_id] = max_tokens
+
+    def predict(self, batch: ActiveBatch, horizon: int) -> Prediction:
+        limits = np.fromiter((self.limits.get(str(r), -1) for r in batch.request_ids.tolist()),
+                             np.int64, len(batch.request_ids))
+        remaining = np.clip(limits - np.asarray(batch.generated_tokens, dtype=np.int64), 1,
+                            horizon).astype(np.float64)
+        return Prediction(np.where(limits >= 1, remaining, float(horizon)))
+
+    def observe(self, finished: FinishedBatch) -> None:
+        for request_id in finished.request_ids.tolist():
+            self.limits.pop(str(request_id), None)
+
+
 class BackgroundPredictor:
     """A :class:`Predictor` whose ``predict`` never waits on the network.
 

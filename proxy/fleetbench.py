@@ -16,7 +16,10 @@ is compared between the two.
 else a fresh ``balanceroute serve`` (SQLite in the run's temporary directory) started for the
 run, which learns online from what the proxy reports as requests finish, as a newly deployed
 service would. Its ``ab`` counterpart is ``brh-<the service's auto estimator>``, learned in
-process from the same completions.
+process from the same completions. ``brh-oracle`` runs the proxy's BR-H with each request's
+``max_tokens`` as its length (``--lengths-from max-tokens``; the load generator sends the
+trace's output length with ``ignore_eos``, so these are true lengths), against ``ab``'s
+``brh-oracle``: what the proxy's mechanics cost BR-H, predictions aside.
 """
 
 from __future__ import annotations
@@ -39,11 +42,14 @@ import numpy as np
 from predictor.livesrv import live_server, stop_process, wait_ready
 from router_client.traces import Trace
 
+from . import POLICIES
 from .emulator import summarize
 from .loadgen import LoadConfig, run
 
 BACKLOG_PER_RANK = 4
 SERVICE_POLICY = "brh"  # the proxy policy that asks a prediction service
+ORACLE_POLICY = "brh-oracle"  # the proxy's BR-H with max_tokens as the lengths
+BENCH_POLICIES = (*POLICIES, ORACLE_POLICY)
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,9 @@ def step_wall_s(trace: Trace, config: FleetBenchConfig) -> float:
 def run_policy(trace: Trace, policy: str, config: FleetBenchConfig, workdir: str,
                extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """One policy through real HTTP: emulator and proxy started for it, trace replayed."""
+    if policy == ORACLE_POLICY:
+        row = run_policy(trace, "brh", config, workdir, ("--lengths-from", "max-tokens", *extra))
+        return {**row, "policy": ORACLE_POLICY}
     G, B = config.workers, config.batch
     base = _free_base(G)
     a, b = config.step_cost
@@ -157,7 +166,7 @@ def ab_counterpart(policy: str) -> str:
     """The ``ab`` policy a proxy policy is compared with: itself, and for ``brh`` BR-H with the
     estimator the service answers ``auto`` queries with, learned in process."""
     if policy != SERVICE_POLICY:
-        return policy
+        return policy  # brh-oracle included: the simulator's true lengths
     from predictor.estimators import estimator_spec
     from predictor.settings import Settings
 

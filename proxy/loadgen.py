@@ -2,7 +2,12 @@
 
 Each trace request becomes a streaming ``POST /v1/completions`` whose prompt is a list of
 ``prompt_tokens`` token ids (so every server counts it exactly), with ``max_tokens`` set to the
-trace's output length and ``ignore_eos`` (as ``vllm bench serve`` does). Arrivals:
+trace's output length and ``ignore_eos`` (as ``vllm bench serve`` does). The ids differ from
+request to request (their first two encode its index), so that no two requests share a prompt
+text by accident: a proxy keys them by that text (until 2026-12-04 the ids depended on the
+length alone, so every request of one prompt length shared a key, and the service's ExactMatch
+learned from that coincidence). A request with a prompt key in the trace sends it as
+``X-Prompt-Key``, which ``balanceroute proxy`` uses instead of the text's hash. Arrivals:
 
 - by default at the trace's own times (traces without times need ``--rate``);
 - ``--rate R``: Poisson arrivals at R requests/s (seeded); ``inf`` sends all at once;
@@ -81,21 +86,27 @@ def arrival_times(trace: Trace, config: LoadConfig) -> np.ndarray:
     return times * ((n - 1) / target_rate) / span if n > 1 else times
 
 
-def token_ids(n: int) -> list[int]:
-    return [100 + (i * 7919) % 30000 for i in range(n)]
+def token_ids(n: int, index: int = 0) -> list[int]:
+    """``n`` token ids, the first two encoding ``index`` (distinct for indices below 9e8)."""
+    head = [100 + index % 30000, 100 + (index // 30000) % 30000]
+    return [*head, *(100 + (i * 7919) % 30000 for i in range(2, n))][:n]
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: int,
-                      output: int) -> RequestResult:
+                      output: int, index: int = 0, prompt_key: str | None = None
+                      ) -> RequestResult:
     result = RequestResult(prompt)
-    body = {"model": model, "prompt": token_ids(prompt), "max_tokens": output,
+    body = {"model": model, "prompt": token_ids(prompt, index), "max_tokens": output,
             "ignore_eos": True, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
+    headers = {"content-type": "application/json"}
+    if prompt_key is not None:
+        headers["x-prompt-key"] = prompt_key
     started = time.perf_counter()
     last = started
     try:
         async with client.stream("POST", url, content=orjson.dumps(body),
-                                 headers={"content-type": "application/json"}) as response:
+                                 headers=headers) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -184,7 +195,8 @@ async def run(trace: Trace, config: LoadConfig) -> tuple[dict[str, Any], list[Re
             async with gate:
                 return await one_request(client, f"{base}/v1/completions", model,
                                          int(trace.prompt_tokens[i]),
-                                         int(trace.output_tokens[i]))
+                                         int(trace.output_tokens[i]), i,
+                                         trace.prompt_keys[i])
 
         results = await asyncio.gather(*(fire(i) for i in range(len(trace))))
         duration = time.perf_counter() - started

@@ -107,9 +107,10 @@ class RouterClient:
     def on_cancel(self, request_id: str, now: float) -> None:
         self.fleet.cancel(request_id, now)
 
-    def stream(self, request_id: str) -> StreamTelemetry:
-        """Telemetry for a dispatched request's SSE stream."""
-        return StreamTelemetry(self.fleet, request_id)
+    def stream(self, request_id: str, fixed_length: bool = False) -> StreamTelemetry:
+        """Telemetry for a dispatched request's SSE stream; ``fixed_length``: the client asked
+        for exactly ``max_tokens`` tokens (``ignore_eos``), see :class:`StreamTelemetry`."""
+        return StreamTelemetry(self.fleet, request_id, fixed_length=fixed_length)
 
     def reconcile(self, worker: int, engine_active: set[str], now: float) -> list[str]:
         return self.fleet.reconcile(worker, engine_active, now)

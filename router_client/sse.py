@@ -97,6 +97,11 @@ class StreamTelemetry:
     reason: str | None = None  # the engine's own finish_reason
     malformed: int = 0
     done: bool = False
+    # the client asked for exactly max_tokens tokens (``ignore_eos``, a benchmark's replay): a
+    # ``length`` finish is the end it chose, not a cut, so the fleet (and the prediction
+    # service, which learns from it) records it as a complete output, not a censored one;
+    # ``finished`` and ``reason`` keep the engine's word
+    fixed_length: bool = False
 
     def __post_init__(self) -> None:
         self.parser = SSEParser()
@@ -159,5 +164,7 @@ class StreamTelemetry:
         if finish:
             self.reason = str(finish)
             self.finished = NATURAL_FINISHES.get(self.reason, "error")
-            self.fleet.finish(self.request_id, self.finished, now, self.generated)
+            recorded = ("stop" if self.fixed_length and self.finished == "length"
+                        else self.finished)
+            self.fleet.finish(self.request_id, recorded, now, self.generated)
         return True

@@ -10,11 +10,11 @@ import time
 import numpy as np
 from prometheus_client import generate_latest
 
-from proxy.dispatcher import BackgroundPredictor
+from proxy.dispatcher import BackgroundPredictor, MaxTokensPredictor
 from router_client.admission import BalanceRouteParams
 from router_client.client import RouterClient, RouterConfig
 from router_client.fallback import RouterMetrics
-from router_client.predictors import ActiveBatch, Prediction
+from router_client.predictors import ActiveBatch, FinishedBatch, Prediction
 
 
 class Gated:
@@ -145,3 +145,20 @@ def test_a_br0_router_never_shows_brh_active():
     router.on_prefilled("r0", 100, now=0.0)
     router.tick(now=0.0)
     assert "balanceroute_router_brh_active 0.0" in generate_latest(metrics.registry).decode()
+
+
+def test_lengths_from_max_tokens_are_the_remaining_tokens_capped_at_h():
+    lengths = MaxTokensPredictor()
+    lengths.expect("a", 50)
+    lengths.expect("b", 200)
+    lengths.expect("c", True)  # not a count: ignored, as are missing and non-positive ones
+    lengths.expect("d", 0)
+    batch = ActiveBatch(np.asarray(["a", "b", "c", "d", "e"], dtype=object),
+                        np.full(5, 100, dtype=np.int64), np.asarray([45, 10, 3, 0, 0]),
+                        [None] * 5)
+    answer = lengths.predict(batch, 80)
+    np.testing.assert_array_equal(answer.c_hat, [5.0, 80.0, 80.0, 80.0, 80.0])
+    assert not answer.warming and not answer.drifted
+    lengths.observe(FinishedBatch(np.asarray(["a"], dtype=object), np.asarray([100]),
+                                  np.asarray([50]), np.asarray([False]), [None]))
+    assert set(lengths.limits) == {"b"}

@@ -36,28 +36,51 @@ def test_unknown_proxy_policies_are_refused_naming_them(capsys):
     from predictor.cli import main
 
     assert main(["bench", "proxy-ab", "--trace", "synth:long", "--policies",
-                 "br0,brh-oracle,ltl"]) == 2
+                 "br0,brh-hazard,ltl"]) == 2
     err = capsys.readouterr().err
-    assert "--policies: brh-oracle" in err and "br0, brh, jsq, rr, ltl" in err
+    assert "--policies: brh-hazard" in err and "br0, brh, jsq, rr, ltl, brh-oracle" in err
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_brh_through_the_proxy_asks_a_fresh_service_that_learns_from_the_run():
-    """``brh`` in ``bench proxy-ab``: a fresh service started for the run answers the proxy's
-    refreshes and learns from what the proxy reports; the row compares it with ab's BR-H with
-    the service's auto estimator."""
+def test_brh_through_the_proxy_asks_a_service_that_learns_the_runs_lengths(tmp_path):
+    """``brh`` in ``bench proxy-ab``: the service answers the proxy's refreshes and learns
+    from what the proxy reports, as complete outputs (the replay's ``ignore_eos`` ends are
+    the lengths it chose, not cuts: reported as cuts, the service learned that no request
+    ever ends and answered c_hat = H for all); ``brh-oracle`` takes ``max_tokens`` as the
+    lengths; each row names its ``ab`` counterpart."""
+    import httpx
+
+    from predictor.livesrv import live_server
     from proxy.fleetbench import compare
     from router_client.traces import load_trace
 
-    trace = load_trace("synth:long:n=60,output_mean=40,output_sigma=0.5,prompt_mean=200",
+    trace = load_trace("synth:long:n=60,output_mean=30,output_sigma=0.3,prompt_mean=200",
                        "auto", 60)
-    config = FleetBenchConfig(workers=2, batch=4, time_scale=4.0)
-    rows = compare(trace, ["br0", "brh"], config, progress=False)
-    br0, brh = rows
-    assert br0["ab_policy"] == "br0" and brh["ab_policy"] == "brh-exactmatch"
-    assert brh["completed"] == br0["completed"] == 60 and brh["failed"] == 0
-    assert brh["invariants"] == "ok" and not brh["errors"]
+    with live_server(f"sqlite:///{tmp_path / 'service.db'}") as url:
+        config = FleetBenchConfig(workers=2, batch=4, time_scale=4.0, predictor_url=url)
+        rows = compare(trace, ["br0", "brh", "brh-oracle"], config, progress=False)
+        asked = {"horizon": 80, "estimator": "survival",
+                 "items": [{"request_id": "probe", "prompt_tokens": 200,
+                            "generated_tokens": 0}]}
+        answer = httpx.post(url + "/v1/contributions", json=asked, timeout=10.0).json()
+    br0, brh, oracle = rows
+    assert [r["ab_policy"] for r in rows] == ["br0", "brh-exactmatch", "brh-oracle"]
+    for row in rows:
+        assert row["completed"] == 60 and row["failed"] == 0
+        assert row["invariants"] == "ok" and not row["errors"]
     assert brh["service_observations"] > 0 and brh["service_drifted"] is False
-    assert brh["brh_active"]  # it routed with the service's answers at the end
-    assert brh["fallback_rounds"] < brh["router_rounds"]
+    assert brh["brh_active"] and oracle["brh_active"]  # routing with predictions at the end
+    assert brh["fallback_rounds"] < brh["router_rounds"] and oracle["fallback_rounds"] == 0
+    # the lengths were learned: a new request's expected life is near the mean 30, not H
+    assert answer["items"][0]["c_hat"] < 50
+
+
+def test_replayed_prompts_are_distinct_per_request_at_their_exact_length():
+    """Two requests of one prompt length must not share a prompt text (the proxy keys a
+    request by its text, and the service's ExactMatch would learn from the coincidence)."""
+    from proxy.loadgen import token_ids
+
+    prompts = [tuple(token_ids(64, i)) for i in (0, 1, 29_999, 30_000, 30_001, 123_456)]
+    assert len(set(prompts)) == len(prompts) and all(len(p) == 64 for p in prompts)
+    assert [len(token_ids(n, 5)) for n in (0, 1, 2, 3)] == [0, 1, 2, 3]

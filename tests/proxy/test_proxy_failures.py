@@ -328,6 +328,9 @@ def test_proxy_options_wrong_together_are_an_error_not_a_traceback(capsys):
         capsys.readouterr().err
     assert main(["proxy", "--decode", "http://127.0.0.1:9", "--policy", "brh"]) == 2
     assert "--policy brh needs --predictor-url" in capsys.readouterr().err
+    assert main(["proxy", "--decode", "http://127.0.0.1:9", "--policy", "brh",
+                 "--lengths-from", "max-tokens", "--predictor-url", "http://127.0.0.1:9"]) == 2
+    assert "--lengths-from max-tokens takes no --predictor-url" in capsys.readouterr().err
     # a body limit past the budget's default raises the default with it (it used to refuse)
     config = ProxyConfig(decode=["http://127.0.0.1:9"], max_body_bytes=1 << 30)
     assert body_budget(config.max_inflight_body_bytes, config.max_body_bytes) == 1 << 30
@@ -487,3 +490,33 @@ def test_a_busy_ranks_hold_follows_its_retry_after_within_bounds():
             await engines.http.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_clients_x_prompt_key_is_the_requests_key_and_a_bad_one_is_refused(monkeypatch):
+    """The key the router (and the service's ExactMatch) groups a request by: the client's
+    ``X-Prompt-Key`` when sent, else the hash of its prompt; an empty or over-long one is a
+    400 naming the header."""
+    from starlette.testclient import TestClient
+
+    from proxy.app import Proxy, ProxyConfig, ProxyError, build_app
+    from router_client.traces import key_of_text
+
+    keys = []
+
+    async def admit(self, call, tokens, key):
+        keys.append(key)
+        raise ProxyError(429, "the prompt pool is full", "rate_limit_error")
+
+    monkeypatch.setattr(Proxy, "_admit", admit)
+    monkeypatch.setattr("proxy.engines.EngineSet.any_alive", lambda self: True)
+    body = {"prompt": "hello", "max_tokens": 2}
+    with TestClient(build_app(ProxyConfig(decode=["http://127.0.0.1:9"]))) as client:
+        assert client.post("/v1/completions", json=body,
+                           headers={"X-Prompt-Key": "template-7"}).status_code == 429
+        assert client.post("/v1/completions", json=body).status_code == 429
+        for bad in ("", "k" * 257):
+            answer = client.post("/v1/completions", json=body, headers={"X-Prompt-Key": bad})
+            assert answer.status_code == 400
+            assert "X-Prompt-Key header must be 1 to 256 characters" in \
+                answer.json()["error"]["message"]
+    assert keys == ["template-7", key_of_text('"hello"')]

@@ -113,3 +113,19 @@ def test_observe_takes_an_already_parsed_chunk():
     assert not telemetry.observe([1, 2], 1.0) and telemetry.malformed == 1
     assert telemetry.observe({"choices": [], "usage": {"completion_tokens": 4}}, 1.0)
     assert telemetry.generated == 4 and fleet.active["r1"].generated == 4
+
+
+@pytest.mark.parametrize("fixed_length, recorded", [(False, "length"), (True, "stop")])
+def test_a_length_finish_the_client_fixed_with_ignore_eos_is_recorded_complete(
+        fixed_length, recorded):
+    """A replay sends ``ignore_eos`` with ``max_tokens`` = the trace's length: its ``length``
+    finish is the length it chose, not a cut; recorded as a cut, every observation of such a
+    run reached the service censored and it could learn no length at all."""
+    fleet = fleet_with()
+    telemetry = StreamTelemetry(fleet, "r1", fixed_length=fixed_length)
+    telemetry.feed(b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n'
+                   b'data: {"choices": [{"text": "b", "finish_reason": "length"}]}\n\n'
+                   b'data: [DONE]\n\n', 1.0)
+    assert telemetry.close(2.0) == "length" and telemetry.reason == "length"
+    outcome = fleet.take_outcomes()[0]
+    assert outcome["finish_reason"] == recorded and outcome["output_tokens"] == 2

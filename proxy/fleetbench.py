@@ -321,7 +321,7 @@ def demo_stage(trace_path: str, predictor_url: str) -> str:
     from router_client.traces import load_trace
 
     trace = load_trace(trace_path, "auto", DEMO_REQUESTS)
-    config = FleetBenchConfig(workers=8, batch=16, time_scale=2.0)
+    config = FleetBenchConfig(workers=8, batch=16, time_scale=0.5)
     rows = []
     with tempfile.TemporaryDirectory(prefix="demo-proxy-") as workdir:
         rows.append(run_policy(trace, "br0", config, workdir))

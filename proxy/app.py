@@ -116,6 +116,8 @@ class ProxyConfig:
             raise ValueError("--policy brh needs --predictor-url (or --lengths-from max-tokens)")
         if self.lengths_from == "max-tokens" and self.predictor_url:
             raise ValueError("--lengths-from max-tokens takes no --predictor-url")
+        if self.lengths_from == "max-tokens" and self.policy != "brh":
+            raise ValueError("--lengths-from max-tokens is for --policy brh")
         if self.guard is not None and self.guard not in GUARD_RULES:
             raise ValueError(f"--guard must be one of {', '.join(GUARD_RULES)}")
         if self.step_overhead is not None and not self.step_overhead >= 0:

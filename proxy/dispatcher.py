@@ -109,8 +109,11 @@ class MaxTokensPredictor:
             self.limits[request_id] = max_tokens
 
     def predict(self, batch: ActiveBatch, horizon: int) -> Prediction:
-        limits = np.fromiter((self.limits.get(str(r), -1) for r in batch.request_ids.tolist()),
-                             np.int64, len(batch.request_ids))
+        ids = [str(r) for r in batch.request_ids.tolist()]
+        # The batch is every request the router holds (running and waiting): forget the
+        # rest, such as requests that left the pool without running (no outcome comes back).
+        self.limits = {r: self.limits[r] for r in ids if r in self.limits}
+        limits = np.fromiter((self.limits.get(r, -1) for r in ids), np.int64, len(ids))
         remaining = np.clip(limits - np.asarray(batch.generated_tokens, dtype=np.int64), 1,
                             horizon).astype(np.float64)
         return Prediction(np.where(limits >= 1, remaining, float(horizon)))

@@ -153,11 +153,13 @@ def test_lengths_from_max_tokens_are_the_remaining_tokens_capped_at_h():
     lengths.expect("b", 200)
     lengths.expect("c", True)  # not a count: ignored, as are missing and non-positive ones
     lengths.expect("d", 0)
+    lengths.expect("gone", 30)  # left the pool without running: no outcome will come
     batch = ActiveBatch(np.asarray(["a", "b", "c", "d", "e"], dtype=object),
                         np.full(5, 100, dtype=np.int64), np.asarray([45, 10, 3, 0, 0]),
                         [None] * 5)
     answer = lengths.predict(batch, 80)
     np.testing.assert_array_equal(answer.c_hat, [5.0, 80.0, 80.0, 80.0, 80.0])
+    assert set(lengths.limits) == {"a", "b"}  # what the router no longer holds is forgotten
     assert not answer.warming and not answer.drifted
     lengths.observe(FinishedBatch(np.asarray(["a"], dtype=object), np.asarray([100]),
                                   np.asarray([50]), np.asarray([False]), [None]))

@@ -331,6 +331,8 @@ def test_proxy_options_wrong_together_are_an_error_not_a_traceback(capsys):
     assert main(["proxy", "--decode", "http://127.0.0.1:9", "--policy", "brh",
                  "--lengths-from", "max-tokens", "--predictor-url", "http://127.0.0.1:9"]) == 2
     assert "--lengths-from max-tokens takes no --predictor-url" in capsys.readouterr().err
+    assert main(["proxy", "--decode", "http://127.0.0.1:9", "--lengths-from", "max-tokens"]) == 2
+    assert "--lengths-from max-tokens is for --policy brh" in capsys.readouterr().err
     # a body limit past the budget's default raises the default with it (it used to refuse)
     config = ProxyConfig(decode=["http://127.0.0.1:9"], max_body_bytes=1 << 30)
     assert body_budget(config.max_inflight_body_bytes, config.max_body_bytes) == 1 << 30

@@ -46,6 +46,8 @@ from router_client.predictors import (
     Prediction,
     Predictor,
     aged_c_hat,
+    aged_mu_rem,
+    tokens_since,
 )
 
 from .metrics import ProxyMetrics
@@ -167,16 +169,14 @@ class BackgroundPredictor:
         prior = (float(horizon), 0.0, float(horizon), -1)  # unseen: runs through the window
         rows = [answer.get(str(r), prior) for r in batch.request_ids.tolist()]
         n = len(rows)
-        then = np.fromiter((row[3] for row in rows), np.int64, n)
-        elapsed = np.where(then >= 0, np.maximum(
-            np.asarray(batch.generated_tokens, dtype=np.int64) - then, 0), 0)
+        elapsed = tokens_since(batch.generated_tokens,
+                               np.fromiter((row[3] for row in rows), np.int64, n))
         c_hat = aged_c_hat(np.fromiter((row[0] for row in rows), np.float64, n), elapsed,
                            horizon)
         p_fin = mu_rem = None
         if has_law:
             p_fin = np.fromiter((row[1] for row in rows), np.float64, n)
-            mu_rem = np.fromiter((row[2] for row in rows), np.float64, n)
-            mu_rem = np.where(np.isfinite(mu_rem), np.maximum(mu_rem - elapsed, 1.0), mu_rem)
+            mu_rem = aged_mu_rem(np.fromiter((row[2] for row in rows), np.float64, n), elapsed)
         return Prediction(c_hat, drifted=drifted, recommendation=recommendation,
                           p_fin=p_fin, mu_rem=mu_rem)
 

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,12 +176,10 @@ def ab_counterpart(policy: str) -> str:
 def run_with_service(trace: Trace, config: FleetBenchConfig, workdir: str) -> dict[str, Any]:
     """The proxy's BR-H asking ``config.predictor_url``, else a fresh service started for the
     run; the row adds what the service learned and answered."""
-    if config.predictor_url:
-        row = run_policy(trace, SERVICE_POLICY, config, workdir,
-                         ("--predictor-url", config.predictor_url))
-        return {**row, **_service_figures(config.predictor_url)}
     database = os.path.join(workdir, f"service-{time.monotonic_ns()}.db")
-    with live_server(f"sqlite:///{database}") as url:
+    service = (nullcontext(config.predictor_url) if config.predictor_url
+               else live_server(f"sqlite:///{database}"))
+    with service as url:
         row = run_policy(trace, SERVICE_POLICY, config, workdir, ("--predictor-url", url))
         return {**row, **_service_figures(url)}
 

@@ -122,10 +122,7 @@ class RouterClient:
         self.steps += 1
         decode_steps = 1
         if self.predictions.enabled:
-            active = self.fleet.active
-            running = list(active)
-            generated = np.fromiter((r.generated for r in active.values()), np.int64,
-                                    len(active))
+            running, generated = self._running_tokens()
             decode_steps = self._decode_steps(running, generated)
             if self.predictions.due(step, running, generated):
                 self._refresh(step)
@@ -137,10 +134,10 @@ class RouterClient:
             view, pool = self.fleet.view()
             view = replace(view, arrival_rate=self.arrivals.rate)
             if self.policy.needs_predictions:
-                active = self.fleet.active
-                view = self.predictions.annotate(
-                    view, list(active), [r.request_id for r in pool], step,
-                    np.fromiter((r.generated for r in active.values()), np.int64, len(active)))
+                # again: the reap above may have ended some of them
+                running, generated = self._running_tokens()
+                view = self.predictions.annotate(view, running, [r.request_id for r in pool],
+                                                 step, generated)
             for assignment in self.policy.route(view, pool).assignments:
                 request_id = str(pool[assignment.pool_index].request_id)
                 if self.fleet.dispatch(request_id, assignment.worker, now):
@@ -149,15 +146,21 @@ class RouterClient:
         self._report()
         return dispatches
 
+    def _running_tokens(self) -> tuple[list[str], np.ndarray]:
+        """The running requests' ids and tokens generated so far, in the fleet's order."""
+        active = self.fleet.active
+        return list(active), np.fromiter((r.generated for r in active.values()), np.int64,
+                                         len(active))
+
     def _decode_steps(self, running: list[str], generated: np.ndarray) -> int:
         """Decode steps since the last tick, for the arrival rate (per step, as BR-H's turnover
         reads it): the most tokens a running request generated in between (one not running
         at the last tick was dispatched by it, at 0 tokens). A proxy ticks when a slot frees,
         often several steps apart, or twice within one; 1 (a tick) with none running."""
         before = self._tokens_at_tick
-        steps = max((g - before.get(r, 0) for r, g in zip(running, generated.tolist(),
-                                                           strict=True)), default=None)
         self._tokens_at_tick = dict(zip(running, generated.tolist(), strict=True))
+        steps = max((g - before.get(r, 0) for r, g in self._tokens_at_tick.items()),
+                    default=None)
         return 1 if steps is None else max(steps, 0)
 
     def _refresh(self, step: int) -> None:

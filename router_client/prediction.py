@@ -36,7 +36,7 @@ import numpy as np
 
 from .fallback import FallbackController
 from .fleet import FleetView
-from .predictors import ActiveBatch, Predictor, aged_c_hat
+from .predictors import ActiveBatch, Predictor, aged_c_hat, aged_mu_rem, tokens_since
 
 
 @dataclass(frozen=True)
@@ -124,9 +124,7 @@ class PredictionCache:
             values = np.asarray(prediction.c_hat, dtype=np.float64).tolist()
             self._c_hat = dict(zip(ids, values, strict=True))
             self._since = dict.fromkeys(ids[:n_active], step)
-            self._since_tokens = dict(zip(
-                ids[:n_active], np.asarray(batch.generated_tokens[:n_active]).tolist(),
-                strict=True))
+            self._since_tokens = dict(self._asked_tokens)
             self._law = {}
             if prediction.p_fin is not None and prediction.mu_rem is not None:
                 self._law = dict(zip(ids, zip(np.asarray(prediction.p_fin).tolist(),
@@ -174,7 +172,7 @@ class PredictionCache:
             laws = [self._law.get(r, unknown) for r in running]
             p_fin = np.fromiter((law[0] for law in laws), np.float64, len(laws))
             mu_rem = np.fromiter((law[1] for law in laws), np.float64, len(laws))
-            mu_rem = np.where(np.isfinite(mu_rem), np.maximum(mu_rem - elapsed, 1.0), mu_rem)
+            mu_rem = aged_mu_rem(mu_rem, elapsed)
         return replace(view, active_c_hat=c_hat, pool_c_hat=self.waiting_c_hat(waiting),
                        active_p_fin=p_fin, active_mu_rem=mu_rem)
 
@@ -201,9 +199,8 @@ class PredictionCache:
         now = np.asarray(generated, dtype=np.int64)
         if now.shape != (len(request_ids),):
             raise ValueError("generated must give one count per running request")
-        then = np.fromiter((self._since_tokens.get(r, -1) for r in request_ids), np.int64,
-                           len(request_ids))
-        return np.where(then >= 0, np.maximum(now - then, 0), 0)
+        return tokens_since(now, np.fromiter((self._since_tokens.get(r, -1) for r in request_ids),
+                                             np.int64, len(request_ids)))
 
     def _since_of(self, request_ids: Sequence[Hashable], step: int) -> np.ndarray:
         """The step each answer's clock started (now, for a request without one)."""

@@ -147,6 +147,10 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
                          help="a rank answers 503 when N requests already wait beyond its "
                               "batch, as SGLang's option of that name (default: no bound, as "
                               "vLLM)")
+    emulate.add_argument("--start-after", type=_none_or_more, default=0, metavar="N",
+                         help="hold the first decode step until N requests have come (or 30 s "
+                              "after the first): a benchmark's first wave in the slots at "
+                              "step 0, as ab --load backlog's (default 0: step at once)")
     emulate.set_defaults(handler=cmd_emulate)
 
     serve = bench_sub.add_parser("serve", help="replay a trace against an OpenAI endpoint")
@@ -279,7 +283,8 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     config = EmulatorConfig(workers=args.workers, batch=args.batch, step_cost=args.step_cost,
                             time_scale=args.time_scale, seed=args.seed,
                             mean_output=args.mean_output, prefill_workers=args.prefill_workers,
-                            max_queued=args.max_queued_requests)
+                            max_queued=args.max_queued_requests,
+                            start_after=args.start_after)
     try:
         run_async(serve(config, args.host, args.port))
     except KeyboardInterrupt:

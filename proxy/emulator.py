@@ -92,6 +92,10 @@ class EmulatorConfig:
     log_steps: int = 200_000
     max_queued: int | None = None  # waiting requests a rank keeps beyond its batch; 503 past
     # it (SGLang's --max-queued-requests); None: no bound (vLLM)
+    start_after: int = 0  # the first step waits until this many requests have come (a
+    # benchmark's first wave: its fleet full from step 0, as ``ab --load backlog``'s), or
+    # ``start_timeout_s`` of wall time after the first one
+    start_timeout_s: float = 30.0
 
 
 class Emulator:
@@ -102,6 +106,8 @@ class Emulator:
             raise ValueError("workers and batch must be >= 1 and time_scale > 0")
         if config.max_queued is not None and config.max_queued < 0:
             raise ValueError("max_queued must be >= 0")
+        if config.start_after < 0:
+            raise ValueError("start_after must be >= 0")
         self.config = config
         self.ranks = [Rank(g, np.random.default_rng([config.seed, g]))
                       for g in range(config.workers)]
@@ -109,6 +115,7 @@ class Emulator:
         self.step_index = 0
         self.emulated_s = 0.0
         self.prefill_running = [0] * config.prefill_workers
+        self.submitted = 0
         self._wake: asyncio.Event | None = None
 
     # -- requests ---------------------------------------------------------------------------
@@ -124,6 +131,7 @@ class Emulator:
         if isinstance(body.get("kv_transfer_params"), dict):
             self.ranks[rank].handoffs += 1
         self.ranks[rank].queue.append(request)
+        self.submitted += 1
         if self._wake is not None:
             self._wake.set()
         return request
@@ -154,6 +162,7 @@ class Emulator:
         self._wake = asyncio.Event()
         a, b = self.config.step_cost
         loop = asyncio.get_running_loop()
+        await self._first_wave()
         while True:
             if not any(rank.queue or rank.active for rank in self.ranks):
                 self._wake.clear()
@@ -194,6 +203,28 @@ class Emulator:
                 "wall": loop.time() - started,
             })
             self.step_index += 1
+
+    async def _first_wave(self) -> None:
+        """Hold the first step until ``start_after`` requests have come (cancelled ones
+        included), or ``start_timeout_s`` after the first: a load generator's first wave
+        reaches the ranks over many steps otherwise (a few hundred requests a second through
+        a proxy on a small machine), and a benchmark would measure that intake, not the
+        routing."""
+        assert self._wake is not None
+        wanted = self.config.start_after
+        deadline = None
+        loop = asyncio.get_running_loop()
+        while self.submitted < wanted:
+            if self.submitted and deadline is None:
+                deadline = loop.time() + self.config.start_timeout_s
+            timeout = None if deadline is None else deadline - loop.time()
+            if timeout is not None and timeout <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                return
 
     async def prefill(self, instance: int, body: dict[str, Any], port: int) -> dict[str, Any]:
         """A prefill instance: one forward pass over the prompt, then the KV handle."""

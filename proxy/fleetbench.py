@@ -6,11 +6,15 @@ For each policy a fresh emulator (``balanceroute emulate``, G ranks of B slots) 
 (:mod:`proxy.loadgen`) replays the trace through the proxy with ``max_tokens`` and
 ``ignore_eos`` from the trace, in a closed loop of ``G * B + 4 * G`` requests in flight: the
 ranks kept full and ``4 * G`` requests waiting in the proxy's pool, in trace order, which is
-``ab --load backlog``. Throughput and imbalance are read from the emulator's own step log
-(emulated time: the step-cost model, not the wall clock, so a loaded machine slows the run
-but does not change the figures), over the steps up to the last admission, as ``ab`` counts
-them. Then ``ab`` replays the same requests in the simulator, and each policy's ratio to BR-0
-is compared between the two.
+``ab --load backlog``. The emulator holds its first step until the first ``G * B`` requests
+have reached the ranks (``emulate --start-after``), so that the fleet is full from step 0 as
+in ``ab``: the load generator's first wave otherwise reaches the ranks over tens of steps (a
+few hundred requests a second through the proxy on a small machine), at a speed that varies
+from run to run and is the harness's, not the router's. Throughput and imbalance are read
+from the emulator's own step log (emulated time: the step-cost model, not the wall clock, so
+a loaded machine slows the run but does not change the figures), over the steps up to the
+last admission, as ``ab`` counts them. Then ``ab`` replays the same requests in the
+simulator, and each policy's ratio to BR-0 is compared between the two.
 
 ``brh`` runs the proxy's BR-H against a prediction service: the one ``predictor_url`` names,
 else a fresh ``balanceroute serve`` (SQLite in the run's temporary directory) started for the
@@ -135,7 +139,7 @@ def run_policy(trace: Trace, policy: str, config: FleetBenchConfig, workdir: str
     a, b = config.step_cost
     emulate = ["emulate", "--workers", str(G), "--port", str(base), "--batch", str(B),
                "--step-cost", f"{a!r},{b!r}", "--time-scale", str(config.time_scale),
-               "--seed", str(config.seed)]
+               "--seed", str(config.seed), "--start-after", str(min(G * B, len(trace)))]
     ranks = ",".join(f"http://127.0.0.1:{base + g}" for g in range(G))
     port = _free_base(1)
     proxy = ["proxy", "--decode", ranks, "--port", str(port), "--policy", policy,
@@ -325,15 +329,27 @@ def demo_stage(trace_path: str, predictor_url: str) -> str:
         rows.append(run_policy(trace, "br0", config, workdir))
         rows.append(run_policy(trace, "brh", config, workdir,
                                ("--predictor-url", predictor_url)))
+    # what the simulator expects of the same requests and fleet (BR-H learning in process
+    # from these completions alone, where the demo's service learned the ab stage's first):
+    # the yardstick for the proxy's figures, which swing much more in a run this short
+    counterparts = {r["policy"]: ab_counterpart(r["policy"]) for r in rows}
+    sim = simulate(trace, list(counterparts.values()), config)
     reference = rows[0]["throughput_tok_s"] or 1.0
+    sim_reference = sim[counterparts["br0"]]["throughput_tok_s"] or 1.0
     lines = ["(a smoke run of the whole loop, not a measurement: the fleet fills once and then "
-             "empties, so tok/s and 'x br0' swing by tens of percent between identical runs; "
-             "`balanceroute bench proxy-ab` measures, see the README)",
+             "empties, so tok/s and 'x br0' swing by a few percent between identical runs; "
+             "'ab' is balanceroute ab on the same requests; `balanceroute bench proxy-ab` "
+             "measures, see the README)",
              f"{'proxy':<6} {'done':>5} {'failed':>6} {'tok/s':>7} {'x br0':>7} {'max-min':>8} "
-             f"{'round ms':>8} {'BR-0 rounds':>11} {'wall s':>6}"]
+             f"{'round ms':>8} {'BR-0 rounds':>11} {'wall s':>6} {'ab policy':>14} "
+             f"{'ab x br0':>8} {'ab max-min':>10}"]
     for r in rows:
+        ab = sim[counterparts[r["policy"]]]
         lines.append(f"{r['policy']:<6} {r['completed']:5d} {r['failed']:6d} "
                      f"{r['throughput_tok_s']:7.0f} {r['throughput_tok_s'] / reference:7.4f} "
                      f"{r['imbalance_maxmin_mean']:8.0f} {r['router_ms_mean']:8.3f} "
-                     f"{r['fallback_rounds']:11d} {r['wall_s']:6.0f}")
+                     f"{r['fallback_rounds']:11d} {r['wall_s']:6.0f} "
+                     f"{counterparts[r['policy']]:>14} "
+                     f"{ab['throughput_tok_s'] / sim_reference:8.4f} "
+                     f"{ab['imbalance_maxmin_mean']:10.0f}")
     return "\n".join(lines)

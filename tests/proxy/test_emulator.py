@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
 import openai
 import pytest
+
+from proxy.emulator import Emulator, EmulatorConfig
 
 from .conftest import Launcher, rank_urls
 
@@ -89,3 +92,53 @@ def test_step_log_records_loads_of_every_rank(emu):
     assert [load[0] for load in loads] == [100, 101, 102, 103, 104]  # s + a, one per step
     assert all(load[1] == 0 for load in loads)
     assert all(step["tokens"] == 1 for step in log["steps"])
+
+
+BODY = {"prompt": [1] * 10, "max_tokens": 2, "ignore_eos": True}
+
+
+async def _steps_when(emulator, count: int, timeout_s: float = 5.0) -> list:
+    deadline = time.monotonic() + timeout_s
+    while len(emulator.steps) < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    return list(emulator.steps)
+
+
+def test_start_after_holds_the_first_step_until_the_first_wave_has_come():
+    async def scenario():
+        emulator = Emulator(EmulatorConfig(workers=2, batch=2, time_scale=1000.0,
+                                           start_after=3))
+        task = asyncio.create_task(emulator.run())
+        emulator.submit(0, BODY)
+        emulator.submit(1, BODY)
+        await asyncio.sleep(0.1)
+        held = list(emulator.steps)
+        emulator.submit(0, BODY)
+        steps = await _steps_when(emulator, 2)
+        task.cancel()
+        return held, steps
+
+    held, steps = asyncio.run(scenario())
+    assert held == []  # two of three: no step yet
+    assert steps[0]["admitted"] == 3 and steps[0]["active"] == [2, 1]  # all three at step 0
+    assert steps[0]["loads"] == [20, 10]
+
+
+def test_start_after_gives_up_waiting_start_timeout_after_the_first_request():
+    async def scenario():
+        emulator = Emulator(EmulatorConfig(workers=2, batch=2, time_scale=1000.0,
+                                           start_after=5, start_timeout_s=0.05))
+        task = asyncio.create_task(emulator.run())
+        await asyncio.sleep(0.1)  # nothing came: the clock of the timeout has not started
+        emulator.submit(1, BODY)
+        steps = await _steps_when(emulator, 1)
+        task.cancel()
+        return steps
+
+    steps = asyncio.run(scenario())
+    assert steps and steps[0]["admitted"] == 1 and steps[0]["active"] == [0, 1]
+
+
+def test_start_after_is_refused_below_zero():
+    with pytest.raises(ValueError, match="start_after"):
+        Emulator(EmulatorConfig(start_after=-1))

@@ -33,7 +33,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -62,6 +62,7 @@ from .engines import EngineSet, retry_after_s
 from .metrics import ProxyMetrics
 from .pool import PendingPool, PoolExpired, PoolFull
 from .relay import NATURAL_TOOL_FINISHES, Aggregate, is_usage_only
+from .tokenizer import PromptCounter
 from .tokens import body_problem, prompt_tokens
 
 log = logging.getLogger("balanceroute.proxy")
@@ -104,6 +105,7 @@ class ProxyConfig:
     max_body_bytes: int = BODY_LIMIT  # 413 past it (a 128k-token prompt: about 0.5 MB)
     max_inflight_body_bytes: int | None = None  # all bodies held at once; 503 past it
     # (None: BODY_BUDGET, or max_body_bytes if larger)
+    tokenizer: str | None = None  # the model's tokenizer.json (or its directory): exact s_i
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -194,6 +196,11 @@ class StreamCut(Exception):
     """The upstream stream ended without a finish (engine died, connection cut, timeout)."""
 
 
+# With --tokenizer, a body larger than this is counted on a worker thread, not on the event
+# loop (encoding a long prompt takes milliseconds; other requests' tokens are relayed meanwhile)
+INLINE_COUNT_BYTES = 16_384
+
+
 @dataclass(eq=False)
 class Call:
     """One client request through the proxy."""
@@ -212,6 +219,7 @@ class Call:
     outcome: str = "cancelled"
     closed: bool = False
     prompt_key: str | None = None  # the client's X-Prompt-Key; else the prompt text's hash
+    body_bytes: int = 0
 
 
 class PrefillBudget:
@@ -249,6 +257,9 @@ class Proxy:
                   else BalanceRouteParams.br0())
         params = replace(params, guard=config.guard, step_overhead=config.step_overhead,
                          patience=config.patience)
+        # s_i: the model's own count with --tokenizer, else the estimate (proxy.tokens)
+        self.count: Callable[[dict[str, Any]], int] = (
+            PromptCounter.load(config.tokenizer) if config.tokenizer else prompt_tokens)
         self.predictor: BackgroundPredictor | None = None
         self.lengths: MaxTokensPredictor | None = None
         predictor: Predictor | None = None
@@ -334,7 +345,8 @@ class Proxy:
     # -- one request ------------------------------------------------------------------------
     async def handle(self, request: Request, path: str, chat: bool) -> Response:
         try:
-            body = orjson.loads(await request.body())
+            raw = await request.body()
+            body = orjson.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
         except (orjson.JSONDecodeError, ValueError) as exc:
@@ -353,7 +365,7 @@ class Proxy:
         self.calls += 1
         call = Call(f"br-{uuid.uuid4().hex}", chat, bool(body.get("stream")),
                     bool((body.get("stream_options") or {}).get("include_usage")), headers,
-                    prompt_key=prompt_key)
+                    prompt_key=prompt_key, body_bytes=len(raw))
         start = asyncio.ensure_future(self.start(call, body, path))
         if not await self._race(start, request):
             await self.close(call)
@@ -401,7 +413,9 @@ class Proxy:
 
     async def start(self, call: Call, body: dict[str, Any], path: str) -> None:
         """Prefill (if any), pool, routing, and the upstream stream's headers."""
-        estimate = prompt_tokens(body)
+        estimate = (await asyncio.to_thread(self.count, body)
+                    if self.config.tokenizer and call.body_bytes > INLINE_COUNT_BYTES
+                    else self.count(body))
         source = body.get("messages") if call.chat else body.get("prompt")
         key = call.prompt_key or (key_of_text(orjson.dumps(source).decode())
                                   if source is not None else None)

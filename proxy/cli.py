@@ -89,6 +89,10 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
                        "each request's max_tokens as its length (true lengths where clients "
                        "send ignore_eos, as benchmark replays do: BR-H with perfect "
                        "information through the proxy, a diagnostic)")
+    proxy.add_argument("--tokenizer", default=None, metavar="PATH",
+                       help="the served model's tokenizer.json (or its directory, with "
+                       "tokenizer_config.json's chat template): prompt tokens counted exactly "
+                       "(default: about four characters a token, far off for Chinese text)")
     proxy.add_argument("--batch", type=_count, default=64,
                        help="B: concurrent requests per decode rank (default 64)")
     proxy.add_argument("--bypass", action="store_true",
@@ -151,6 +155,10 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
                          help="hold the first decode step until N requests have come (or 30 s "
                               "after the first): a benchmark's first wave in the slots at "
                               "step 0, as ab --load backlog's (default 0: step at once)")
+    emulate.add_argument("--tokenizer", default=None, metavar="PATH",
+                         help="count prompt tokens with this tokenizer.json (or the model "
+                              "directory holding it), as the engine would (default: about "
+                              "four characters a token)")
     emulate.set_defaults(handler=cmd_emulate)
 
     serve = bench_sub.add_parser("serve", help="replay a trace against an OpenAI endpoint")
@@ -242,11 +250,11 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
     try:
         config = _proxy_config(args)
+        app = build_app(config)  # loads --tokenizer: a bad one is an error here
     except ValueError as exc:  # options that are wrong together, e.g. --policy brh alone
         print(f"balanceroute proxy: error: {exc}", file=sys.stderr)
         return 2
     _log_to_stderr()
-    app = build_app(config)
     logging.getLogger("balanceroute.proxy").info(
         "balanceroute proxy on http://%s:%d (OpenAI-compatible /v1; /metrics, /readyz)",
         args.host, args.port)
@@ -268,11 +276,13 @@ def _proxy_config(args: argparse.Namespace) -> Any:
                        prefill_kv_budget=args.prefill_kv_budget, guard=args.guard,
                        step_overhead=args.step_overhead, patience=args.patience,
                        max_body_bytes=args.max_body_bytes,
-                       max_inflight_body_bytes=args.max_inflight_body_bytes)
+                       max_inflight_body_bytes=args.max_inflight_body_bytes,
+                       tokenizer=args.tokenizer)
 
 
 def cmd_emulate(args: argparse.Namespace) -> int:
     from .emulator import EmulatorConfig, serve
+    from .tokenizer import TokenizerError
 
     last = args.port + args.workers + args.prefill_workers - 1
     if last > 65535:
@@ -284,11 +294,14 @@ def cmd_emulate(args: argparse.Namespace) -> int:
                             time_scale=args.time_scale, seed=args.seed,
                             mean_output=args.mean_output, prefill_workers=args.prefill_workers,
                             max_queued=args.max_queued_requests,
-                            start_after=args.start_after)
+                            start_after=args.start_after, tokenizer=args.tokenizer)
     try:
         run_async(serve(config, args.host, args.port))
     except KeyboardInterrupt:
         pass
+    except TokenizerError as exc:
+        print(f"balanceroute emulate: error: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:  # a port taken, a host not of this machine
         print(f"balanceroute emulate: error: {exc.strerror or exc}", file=sys.stderr)
         return 1

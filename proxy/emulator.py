@@ -32,6 +32,7 @@ import socket
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,7 @@ from starlette.routing import Route
 
 from router_client.simulator import DEFAULT_STEP_COST
 
+from .tokenizer import PromptCounter
 from .tokens import body_problem, max_tokens, prompt_tokens
 
 log = logging.getLogger("balanceroute.emulator")
@@ -96,6 +98,7 @@ class EmulatorConfig:
     # benchmark's first wave: its fleet full from step 0, as ``ab --load backlog``'s), or
     # ``start_timeout_s`` of wall time after the first one
     start_timeout_s: float = 30.0
+    tokenizer: str | None = None  # count prompts with this tokenizer.json, as an engine does
 
 
 class Emulator:
@@ -116,6 +119,8 @@ class Emulator:
         self.emulated_s = 0.0
         self.prefill_running = [0] * config.prefill_workers
         self.submitted = 0
+        self.count: Callable[[dict[str, Any]], int] = (
+            PromptCounter.load(config.tokenizer) if config.tokenizer else prompt_tokens)
         self._wake: asyncio.Event | None = None
 
     # -- requests ---------------------------------------------------------------------------
@@ -126,7 +131,7 @@ class Emulator:
         else:
             draw = 1 + int(self.ranks[rank].rng.geometric(1.0 / self.config.mean_output))
             target = min(maximum, draw)
-        request = EmuRequest(f"emu-{uuid.uuid4().hex[:16]}", prompt_tokens(body), target,
+        request = EmuRequest(f"emu-{uuid.uuid4().hex[:16]}", self.count(body), target,
                              maximum)
         if isinstance(body.get("kv_transfer_params"), dict):
             self.ranks[rank].handoffs += 1
@@ -228,7 +233,7 @@ class Emulator:
 
     async def prefill(self, instance: int, body: dict[str, Any], port: int) -> dict[str, Any]:
         """A prefill instance: one forward pass over the prompt, then the KV handle."""
-        prompt = prompt_tokens(body)
+        prompt = self.count(body)
         a, b = self.config.step_cost
         self.prefill_running[instance] += 1
         try:

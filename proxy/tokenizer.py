@@ -1,0 +1,162 @@
+"""Exact prompt token counts from the served model's own tokenizer (``--tokenizer PATH``).
+
+Without it the proxy estimates ``s_i`` as ``ceil(chars / 4)`` (:mod:`proxy.tokens`), which is
+close on average for English text and far off elsewhere: Chinese text runs about one to two
+characters a token, so the estimate puts a third or less of the prompt on the rank, and BR-0
+and BR-H fill margins with loads that are not there. Given the model's ``tokenizer.json``
+(Hugging Face ``tokenizers``: what vLLM and SGLang load), the proxy counts as the engine does:
+
+- completions: ``prompt`` encoded with the tokenizer's special tokens (the BOS an engine adds);
+  token ids are counted as they are; a list of prompts is summed;
+- chat: ``messages`` rendered with the model's chat template (``chat_template`` in
+  ``tokenizer_config.json``, or ``chat_template.jinja`` beside it) with the generation prompt,
+  then encoded without special tokens (the template writes them), as ``apply_chat_template``
+  does. Without a template, or where the template fails on a body (a template may refuse a
+  role order it does not support, which the engine will then refuse too), each message's
+  text is encoded and :data:`proxy.tokens.CHAT_OVERHEAD_PER_MESSAGE` added per message.
+
+``PATH`` is a ``tokenizer.json`` or the model's directory holding one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from .tokens import CHAT_OVERHEAD_PER_MESSAGE
+
+log = logging.getLogger("balanceroute.proxy")
+
+
+class TokenizerError(ValueError):
+    """The tokenizer at the path given cannot be loaded (the message says why)."""
+
+
+def _special(config: dict[str, Any], name: str) -> str:
+    value = config.get(name)
+    if isinstance(value, dict):  # {"content": "<s>", ...} (AddedToken as saved)
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _template_text(config: dict[str, Any], folder: Path | None) -> str | None:
+    """The default chat template: ``chat_template.jinja`` in the model's directory, else
+    ``chat_template`` of ``tokenizer_config.json`` (a string, or a list of named templates of
+    which ``default`` is taken)."""
+    if folder is not None and (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _raise(message: str) -> None:
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+class PromptCounter:
+    """``s_i`` of a completions or chat body by a Hugging Face tokenizer (see the module)."""
+
+    def __init__(self, tokenizer: Any, template: str | None = None, bos_token: str = "",
+                 eos_token: str = "", source: str = "") -> None:
+        self.tokenizer = tokenizer
+        self.source = source
+        self.template = None
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self._failed_once = False
+        if template is not None:
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            environment.globals["raise_exception"] = _raise
+            environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            try:
+                self.template = environment.from_string(template)
+            except TemplateError as exc:
+                raise TokenizerError(f"{source}: the chat template does not parse: {exc}") from exc
+
+    @classmethod
+    def load(cls, path: str | Path) -> PromptCounter:
+        """From a ``tokenizer.json`` or a directory holding one (with its
+        ``tokenizer_config.json`` and chat template, where present)."""
+        from tokenizers import Tokenizer
+
+        location = Path(path)
+        folder = location if location.is_dir() else None
+        file = location / "tokenizer.json" if folder is not None else location
+        if not file.is_file():
+            raise TokenizerError(f"{path}: no tokenizer.json there (give the file, or the "
+                                 "model's directory holding it)")
+        try:
+            tokenizer = Tokenizer.from_file(str(file))
+        except Exception as exc:  # the library raises its own types for a bad file
+            raise TokenizerError(f"{file}: not a tokenizer.json the tokenizers library can "
+                                 f"read ({exc})") from exc
+        config: dict[str, Any] = {}
+        config_file = file.parent / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise TokenizerError(f"{config_file}: not readable JSON ({exc})") from exc
+            if not isinstance(config, dict):
+                raise TokenizerError(f"{config_file}: not a JSON object")
+        return cls(tokenizer, _template_text(config, file.parent), _special(config, "bos_token"),
+                   _special(config, "eos_token"), str(file))
+
+    def __call__(self, body: dict[str, Any]) -> int:
+        """``s_i`` for the body (at least 1); the body has passed
+        :func:`proxy.tokens.body_problem`."""
+        if "messages" in body:
+            return max(1, self._chat(body))
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, str):
+            return max(1, self._encoded(prompt, True))
+        if isinstance(prompt, list):
+            if not prompt or isinstance(prompt[0], int):  # token ids
+                return max(1, len(prompt))
+            total = 0
+            for item in prompt:
+                if isinstance(item, str):
+                    total += self._encoded(item, True)
+                elif isinstance(item, list):
+                    total += len(item)
+            return max(1, total)
+        return 1
+
+    def _encoded(self, text: str, special: bool) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=special).ids)
+
+    def _chat(self, body: dict[str, Any]) -> int:
+        messages = body.get("messages") or []
+        if self.template is not None:
+            from jinja2.exceptions import TemplateError
+
+            try:
+                text = self.template.render(
+                    messages=messages, add_generation_prompt=True, tools=body.get("tools"),
+                    bos_token=self.bos_token, eos_token=self.eos_token)
+            except (TemplateError, TypeError, ValueError, AttributeError, KeyError) as exc:
+                if not self._failed_once:
+                    self._failed_once = True
+                    log.warning("the chat template failed on a request (%s); such requests are "
+                                "counted message by message", exc)
+            else:
+                return self._encoded(text, False)
+        total = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                total += self._encoded(content, False)
+            elif isinstance(content, list):
+                total += sum(self._encoded(part.get("text") or "", False)
+                             for part in content if isinstance(part, dict))
+        return total + CHAT_OVERHEAD_PER_MESSAGE * len(messages)

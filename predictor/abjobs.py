@@ -108,7 +108,7 @@ def run_tuning(request: dict, trace: Trace, progress) -> dict:
     result = tune(trace, replace(config, workers=request["workers"][0]),
                   estimator=request["estimator"], grid=grid, min_gain=request["min_gain"],
                   progress=progress)
-    return result.as_dict()
+    return result.as_dict(rest=True)
 
 
 class AbJobRunner:

@@ -201,11 +201,14 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def uncontended_note(rows: Sequence[dict]) -> str | None:
+def uncontended_note(rows: Sequence[dict], requests: str = "--requests",
+                     load: str = "--load") -> str | None:
     """A warning when, at some fleet size, no run ever had more requests waiting than free
     slots (``contended_steps`` 0): every request found a slot at once, so the policies
     differ only in where they put it, and BR-H's settings all place as BR-0 does (a short
-    pool). Users tuning on a quiet stretch of their trace should know their table says so."""
+    pool). Users tuning on a quiet stretch of their trace should know their table says so.
+    ``requests`` and ``load`` name the settings to change, as the caller takes them (the CLI's
+    flags by default; a REST job's fields)."""
     quiet = sorted({row["workers"] for row in rows}
                    - {row["workers"] for row in rows if row.get("contended_steps", 0) > 0})
     if not quiet or any("contended_steps" not in row for row in rows):
@@ -213,7 +216,7 @@ def uncontended_note(rows: Sequence[dict]) -> str | None:
     fleets = ", ".join(f"G={g}" for g in quiet)
     return (f"note ({fleets}): no request ever waited for a slot (the fleet never filled), so "
             "the rows differ only in where requests were placed and BR-H's settings route as "
-            "BR-0; compare on a busier stretch, more requests (--requests) or a higher --load")
+            f"BR-0; compare on a busier stretch, more requests ({requests}) or a higher {load}")
 
 
 def write_csv(rows: Sequence[dict], path: Path) -> None:

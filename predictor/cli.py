@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -269,15 +270,16 @@ def _add_bench(sub) -> argparse._SubParsersAction:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     router = bench_sub.add_parser("router", help="time full BR-H scheduling rounds")
-    router.add_argument("--workers", type=int, default=8)
+    router.add_argument("--workers", type=int, default=8, help="G (default 8)")
     router.add_argument("--rmax", type=int, default=None,
                         help="Stage-2 window (default min(4G, 64), BR-0 and BR-H)")
-    router.add_argument("--pool", type=int, default=256)
-    router.add_argument("--batch", type=int, default=64)
+    router.add_argument("--pool", type=int, default=256,
+                        help="waiting requests in each timed round (default 256)")
+    router.add_argument("--batch", type=int, default=64, help="B (default 64)")
     router.add_argument("--horizon", type=int, default=80,
                         help="H of the BR-H timed (default 80); 0 times BR-0 and its fast path")
-    router.add_argument("--rounds", type=int, default=2000)
-    router.add_argument("--seed", type=int, default=0)
+    router.add_argument("--rounds", type=int, default=2000, help="rounds timed (default 2000)")
+    router.add_argument("--seed", type=int, default=0, help="default 0")
     router.add_argument("--predictor", default="oracle",
                         help="where the timed states' predictions come from: oracle (true "
                         "lengths, default) or a registered estimator learning online in the "
@@ -285,16 +287,20 @@ def _add_bench(sub) -> argparse._SubParsersAction:
                         "life the round projects and scores with its spread")
     router.add_argument("--json", type=Path, default=None)
     predictor = bench_sub.add_parser("predictor", help="time /v1/contributions")
-    predictor.add_argument("--items", type=int, default=1024)
-    predictor.add_argument("--rounds", type=int, default=300)
+    predictor.add_argument("--items", type=int, default=1024,
+                           help="active requests per contributions query (default 1024)")
+    predictor.add_argument("--rounds", type=int, default=300,
+                           help="queries timed per layout and phase (default 300)")
     predictor.add_argument("--json", type=Path, default=None)
     calibration = bench_sub.add_parser("calibration",
                                        help="time the calibration report over stored scores")
-    calibration.add_argument("--scored", type=int, default=100_000)
+    calibration.add_argument("--scored", type=int, default=100_000,
+                             help="stored scores the report covers (default 100000)")
     calibration.add_argument("--json", type=Path, default=None)
     restart = bench_sub.add_parser(
         "restart", help="time a restart over a SQLite database of stored observations")
-    restart.add_argument("--observations", type=int, default=1_000_000)
+    restart.add_argument("--observations", type=int, default=1_000_000,
+                         help="observations stored before the restart (default 1000000)")
     restart.add_argument("--replay", type=int, default=None,
                          help="replay_observations (default: the setting's; 0: all)")
     restart.add_argument("--json", type=Path, default=None)
@@ -394,12 +400,15 @@ def cmd_ab(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(comparison.rows, indent=1))
+        if not args.out:
+            print(f"wrote {args.json}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         abtest.write_csv(comparison.rows, args.out / "results.csv")
         title = f"{Path(args.trace).name}, load {args.load}"
         plots = abtest.write_plots(comparison, args.out, title)
-        print(f"wrote {args.out / 'results.csv'} and {', '.join(p.name for p in plots)}")
+        rows = f"{args.json}, " if args.json else ""
+        print(f"wrote {rows}{args.out / 'results.csv'} and {', '.join(p.name for p in plots)}")
     return 0
 
 
@@ -483,13 +492,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ping(session=Session(bind=connection))
         engine.dispose()
     except (ArgumentError, SQLAlchemyError, ModuleNotFoundError, ValueError) as exc:
+        url = settings.database_url
+        shown = url_without_password(url)
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"error: cannot use the database {settings.database_url!r}: {reason}",
+        print(f"error: cannot use the database {shown!r}: {reason.replace(url, shown)}",
               file=sys.stderr)
         return 1
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info",
                 access_log=args.access_log)
     return 0
+
+
+def url_without_password(url: str) -> str:
+    """A database URL fit to print: its password replaced by ``***`` (as SQLAlchemy renders
+    it), also where the URL does not parse."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

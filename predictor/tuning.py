@@ -89,10 +89,12 @@ class TuningResult:
     recommendation: dict
     evaluation: list[dict] = field(default_factory=list)  # on the held-out window
 
-    def as_dict(self) -> dict:
-        """With ``note``: why the rows tie, when the fleet never filled (else None)."""
+    def as_dict(self, rest: bool = False) -> dict:
+        """With ``note``: why the rows tie, when the fleet never filled (else None); ``rest``:
+        it names the REST job's fields to change, not the command's flags."""
+        names = ("`requests`", "`load`") if rest else ("--requests", "--load")
         return {"rows": self.rows, "recommendation": self.recommendation,
-                "evaluation": self.evaluation, "note": uncontended_note(self.rows)}
+                "evaluation": self.evaluation, "note": uncontended_note(self.rows, *names)}
 
 
 def recommendation_of(candidate: Candidate, estimator: str,

@@ -91,7 +91,9 @@ class RouterClient:
 
     @property
     def use_predictions(self) -> bool:
-        return self.predictions.use_predictions
+        """Whether BR-H routes with predictions now: the predictor healthy, and the policy
+        one that reads them (not BR-0 adopted on the service's recommendation)."""
+        return self.predictions.use_predictions and self.base_policy.needs_predictions
 
     @property
     def fallback_rounds(self) -> int:
@@ -212,6 +214,7 @@ class RouterClient:
             base.waited = self.base_policy.waited  # the guard's count outlives the switch
         self.base_policy = base
         self.policy = self._install(base)
+        self.controller.advise_br0(not params.horizon)
         if params.horizon:
             self.predictions.horizon = params.horizon
         self.params = params

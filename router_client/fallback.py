@@ -6,7 +6,9 @@ at once: the very next round routes without predictions. Returning to BR-H takes
 ``healthy_to_return`` consecutive healthy refreshes (default 3), so a flapping service does not
 make the router flap. Every switch is logged, kept in ``switches`` and counted in Prometheus.
 The gauge ``balanceroute_router_brh_active`` is 1 while BR-H uses predictions: 0 until the
-first refresh says it may (so 0 for ever on a router that runs BR-0 or a baseline).
+first refresh says it may (so 0 for ever on a router that runs BR-0 or a baseline), and 0
+while the router follows the service's recommendation to run BR-0 (:meth:`advise_br0`; the
+router still asks the service, for its next recommendation).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class FallbackController:
     mode: str = BRH
     healthy_streak: int = 0
     switches: list[Switch] = field(default_factory=list)
+    healthy: bool = False  # the last refresh's verdict: predictions may be used
+    advised_br0: bool = False  # the router runs BR-0 on the service's recommendation
 
     def __post_init__(self) -> None:
         if self.healthy_to_return < 1:
@@ -70,9 +74,19 @@ class FallbackController:
                 self.metrics.refresh_failures.labels(reason).inc()
             if self.mode == BRH:
                 self._switch(step, BR0, reason)
+        self.healthy = self.mode == BRH
+        self._publish()
+        return self.healthy
+
+    def advise_br0(self, br0: bool) -> None:
+        """The router runs BR-0 on the service's recommendation (True), or BR-H again (False):
+        BR-H then uses no predictions, whatever the refreshes say."""
+        self.advised_br0 = br0
+        self._publish()
+
+    def _publish(self) -> None:
         if self.metrics:
-            self.metrics.mode.set(1.0 if self.mode == BRH else 0.0)
-        return self.mode == BRH
+            self.metrics.mode.set(1.0 if self.healthy and not self.advised_br0 else 0.0)
 
     def _switch(self, step: int, to: str, reason: str) -> None:
         self.mode = to

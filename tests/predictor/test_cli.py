@@ -225,3 +225,12 @@ def test_serve_logs_each_request_only_when_asked(tmp_path, monkeypatch):
     assert main(["serve", "--database-url", url, "--port", "9", "--access-log"]) == 0
     assert [c["access_log"] for c in calls] == [False, True]
     assert calls[0]["port"] == 9 and calls[0]["log_level"] == "info"
+
+
+def test_serve_with_a_database_it_cannot_use_says_so_without_the_password(capsys):
+    for url in ("postgresql+psycopg://user:s3cret@127.0.0.1:1/db",  # nothing listens there
+                "postgresql://user:s3cret@127.0.0.1:notaport/db"):  # does not parse
+        assert main(["serve", "--database-url", url, "--port", "9"]) == 1
+        err = capsys.readouterr().err
+        assert "error: cannot use the database" in err and "user:***@127.0.0.1" in err, err
+        assert "s3cret" not in err

@@ -180,11 +180,21 @@ class Advising:
 
 
 def test_router_client_adopts_the_recommendation_at_a_refresh():
+    from prometheus_client import generate_latest
+
+    from router_client.fallback import RouterMetrics
+
+    def gauge() -> str:
+        return next(line for line in generate_latest(metrics.registry).decode().splitlines()
+                    if line.startswith("balanceroute_router_brh_active "))
+
     advice = {"policy": "brh", "horizon": 30, "beta": 12.0, "gamma": 0.9,
               "estimator": "exact_match"}
     predictor = Advising(advice)
     own = BalanceRouteParams(short_pool="lpt", fit_horizon=8.0, stage2_order="margin")
-    router = RouterClient(RouterConfig(workers=2, capacity=4, params=own), predictor)
+    metrics = RouterMetrics()
+    router = RouterClient(RouterConfig(workers=2, capacity=4, params=own), predictor,
+                          metrics=metrics)
     assert router.policy.params.horizon == 80
     router.on_prefilled("a", 100, now=0.0)
     router.tick(now=0.0)
@@ -192,10 +202,15 @@ def test_router_client_adopts_the_recommendation_at_a_refresh():
     assert (router.policy.params.horizon, router.policy.params.beta,
             router.policy.params.gamma) == (30, 12.0, 0.9)
     assert router.predictions.horizon == 30
+    assert router.use_predictions and gauge().endswith(" 1.0")
     predictor.advice = {"policy": "br0"}
     for step in range(1, 11):
         router.tick(now=float(step))
     assert router.policy.name == "br0" and not router.policy.needs_predictions
+    # BR-0 on the service's advice: BR-H is not using predictions (it still asks, for the
+    # next advice), and the gauge says so
+    assert not router.use_predictions and gauge().endswith(" 0.0")
+    assert router.controller.mode == "brh"  # no fallback: the service is healthy
     predictor.advice = {"policy": "teleport"}
     for step in range(11, 21):
         router.tick(now=float(step))
@@ -205,6 +220,7 @@ def test_router_client_adopts_the_recommendation_at_a_refresh():
     for step in range(21, 31):
         router.tick(now=float(step))
     assert router.policy.name == "brh" and router.policy.params.gamma is None
+    assert router.use_predictions and gauge().endswith(" 1.0")
     # after BR-0 and back, BR-H keeps the router's own settings the advice does not name
     kept = router.policy.params
     assert (kept.short_pool, kept.fit_horizon, kept.stage2_order) == ("lpt", 8.0, "margin")
@@ -218,3 +234,12 @@ def test_a_fleet_that_never_filled_is_pointed_out(capsys):
                  "--batch", "64", "--load", "0.3", "--quiet"]) == 0
     shown = capsys.readouterr().out
     assert "note (G=8): no request ever waited for a slot (the fleet never filled)" in shown
+
+
+def test_the_never_filled_note_names_the_settings_as_the_caller_takes_them():
+    from predictor.tuning import TuningResult
+
+    result = TuningResult([{"workers": 8, "contended_steps": 0}], {"policy": "br0"})
+    assert "more requests (--requests) or a higher --load" in result.as_dict()["note"]
+    rest = result.as_dict(rest=True)["note"]
+    assert "more requests (`requests`) or a higher `load`" in rest and "--" not in rest

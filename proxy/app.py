@@ -63,7 +63,7 @@ from .metrics import ProxyMetrics
 from .pool import PendingPool, PoolExpired, PoolFull
 from .relay import NATURAL_TOOL_FINISHES, Aggregate, is_usage_only
 from .tokenizer import PromptCounter
-from .tokens import body_problem, prompt_tokens
+from .tokens import PromptCalibration, body_problem, prompt_tokens, text_estimated
 
 log = logging.getLogger("balanceroute.proxy")
 
@@ -220,6 +220,7 @@ class Call:
     closed: bool = False
     prompt_key: str | None = None  # the client's X-Prompt-Key; else the prompt text's hash
     body_bytes: int = 0
+    raw_estimate: int = 0  # the text estimate before calibration (0: counted, not estimated)
 
 
 class PrefillBudget:
@@ -260,6 +261,8 @@ class Proxy:
         # s_i: the model's own count with --tokenizer, else the estimate (proxy.tokens)
         self.count: Callable[[dict[str, Any]], int] = (
             PromptCounter.load(config.tokenizer) if config.tokenizer else prompt_tokens)
+        # without a tokenizer, the estimate's bias learned from the engines' own counts
+        self.calibration = PromptCalibration()
         self.predictor: BackgroundPredictor | None = None
         self.lengths: MaxTokensPredictor | None = None
         predictor: Predictor | None = None
@@ -416,6 +419,9 @@ class Proxy:
         estimate = (await asyncio.to_thread(self.count, body)
                     if self.config.tokenizer and call.body_bytes > INLINE_COUNT_BYTES
                     else self.count(body))
+        if not self.config.tokenizer and text_estimated(body):
+            call.raw_estimate = estimate
+            estimate = self.calibration.apply(estimate)
         source = body.get("messages") if call.chat else body.get("prompt")
         key = call.prompt_key or (key_of_text(orjson.dumps(source).decode())
                                   if source is not None else None)
@@ -545,6 +551,8 @@ class Proxy:
                              "upstream_error")
         answer = orjson.loads(response.content)
         tokens = int((answer.get("usage") or {}).get("prompt_tokens") or estimate)
+        if tokens != estimate:  # the prefill engine's own count
+            self._calibrate(call, tokens)
         return tokens, answer.get("kv_transfer_params")
 
     async def _release_prefill(self, call: Call) -> None:
@@ -586,6 +594,8 @@ class Proxy:
         if tail:
             yield tail
         ended = telemetry.close(now)
+        if telemetry.prompt_tokens is not None:
+            self._calibrate(call, telemetry.prompt_tokens)
         call.outcome = "tool_calls" if telemetry.reason in NATURAL_TOOL_FINISHES else ended
         if ended == "error":
             raise StreamCut(f"decode rank {call.rank} ended the stream without a finish")
@@ -612,6 +622,14 @@ class Proxy:
             for chunk, _ in batch:
                 aggregate.add(chunk)
         return aggregate.result()
+
+    def _calibrate(self, call: Call, reported: int) -> None:
+        """An engine's count of a prompt the proxy estimated from text: learn the estimate's
+        bias (once per call)."""
+        if call.raw_estimate > 0:
+            self.calibration.observe(call.raw_estimate, reported)
+            call.raw_estimate = 0
+            self.metrics.prompt_factor.set(self.calibration.factor)
 
     async def close(self, call: Call) -> None:
         """Free everything the call holds; idempotent, safe in a cancelled task."""

@@ -67,6 +67,11 @@ class ProxyMetrics:
                            "BR-H's per-step discount in the last round that used predictions "
                            "(with gamma 'turnover' it follows the fleet's turnover)",
                            registry=r)
+        self.prompt_factor = Gauge("balanceroute_proxy_prompt_tokens_factor",
+                                   "engine-reported prompt tokens per estimated token, learned "
+                                   "from finished requests (1 until 20; without --tokenizer)",
+                                   registry=r)
+        self.prompt_factor.set(1.0)
         self.fallback_rounds = Counter("balanceroute_proxy_fallback_rounds_total",
                                        "BR-H rounds routed as BR-0 (no usable predictions)",
                                        registry=r)

@@ -53,6 +53,53 @@ def prompt_tokens(body: dict[str, Any]) -> int:
     return 1
 
 
+def text_estimated(body: dict[str, Any]) -> bool:
+    """Whether :func:`prompt_tokens` estimates this body from text (chat, or a text prompt),
+    rather than counting token ids."""
+    if "messages" in body:
+        return True
+    prompt = body.get("prompt", "")
+    return isinstance(prompt, str) or (isinstance(prompt, list)
+                                       and any(isinstance(item, str) for item in prompt))
+
+
+class PromptCalibration:
+    """The estimate's bias, learned from the engines' own counts: ``usage.prompt_tokens`` of
+    finished requests against what :func:`prompt_tokens` estimated for them. The ratio of the
+    two sums, each decayed with a half-life of ``half_life`` requests (so it follows a change
+    of traffic), scales later estimates once ``min_samples`` requests have been seen, within
+    ``bounds``. On English text it stays near 1; on Chinese text it learns the two to four
+    times the estimate misses. A per-request error remains (a mix of languages): give the
+    proxy ``--tokenizer`` for exact counts."""
+
+    def __init__(self, min_samples: int = 20, half_life: float = 500.0,
+                 bounds: tuple[float, float] = (0.25, 8.0)) -> None:
+        self.min_samples = min_samples
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.bounds = bounds
+        self.estimated = 0.0
+        self.reported = 0.0
+        self.samples = 0
+
+    def observe(self, estimated: int, reported: int) -> None:
+        if estimated <= 0 or reported <= 0:
+            return
+        self.estimated = self.estimated * self.decay + estimated
+        self.reported = self.reported * self.decay + reported
+        self.samples += 1
+
+    @property
+    def factor(self) -> float:
+        """Engine tokens per estimated token (1 until ``min_samples`` requests)."""
+        if self.samples < self.min_samples:
+            return 1.0
+        low, high = self.bounds
+        return min(max(self.reported / self.estimated, low), high)
+
+    def apply(self, estimate: int) -> int:
+        return max(1, math.ceil(round(estimate * self.factor, 6)))  # (no 351 for 3.5 x 100)
+
+
 def body_problem(body: dict[str, Any], chat: bool) -> str | None:
     """What is wrong, naming the field, with the fields the proxy itself reads (None: nothing);
     the rest is the engine's to judge."""

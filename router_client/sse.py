@@ -102,6 +102,7 @@ class StreamTelemetry:
     # service, which learns from it) records it as a complete output, not a censored one;
     # ``finished`` and ``reason`` keep the engine's word
     fixed_length: bool = False
+    prompt_tokens: int | None = None  # the engine's own count, from ``usage`` where it comes
 
     def __post_init__(self) -> None:
         self.parser = SSEParser()
@@ -154,6 +155,8 @@ class StreamTelemetry:
                 self.generated += 1
             finish = choice.get("finish_reason") or finish
         usage = chunk.get("usage")
+        if isinstance(usage, dict) and type(usage.get("prompt_tokens")) is int:
+            self.prompt_tokens = usage["prompt_tokens"]
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.generated = usage["completion_tokens"]
             if self.finished is not None:  # usage comes in its own chunk after the finish

@@ -189,3 +189,83 @@ def test_a_bad_tokenizer_path_stops_the_proxy_and_the_emulator_with_a_clear_erro
     assert f"{missing}: no tokenizer.json there" in capsys.readouterr().err
     assert main(["emulate", "--workers", "1", "--port", "9", "--tokenizer", missing]) == 2
     assert f"{missing}: no tokenizer.json there" in capsys.readouterr().err
+
+
+def test_the_estimates_bias_is_learned_from_the_engines_counts():
+    from proxy.tokens import PromptCalibration
+
+    calibration = PromptCalibration(min_samples=20, half_life=50)
+    for _ in range(19):
+        calibration.observe(100, 350)
+    assert calibration.factor == 1.0 and calibration.apply(100) == 100  # too few yet
+    calibration.observe(100, 350)
+    assert calibration.factor == pytest.approx(3.5) and calibration.apply(100) == 350
+    for _ in range(500):  # the traffic changes: the old ratio fades
+        calibration.observe(200, 220)
+    assert calibration.factor == pytest.approx(1.1, rel=1e-3)
+    calibration.observe(0, 50)  # nothing to learn from
+    calibration.observe(50, 0)
+    assert calibration.factor == pytest.approx(1.1, rel=1e-3)
+    bounded = PromptCalibration(min_samples=1)
+    bounded.observe(10, 1000)
+    assert bounded.factor == 8.0 and bounded.apply(1) == 8
+
+
+def test_only_text_is_estimated():
+    from proxy.tokens import text_estimated
+
+    assert text_estimated({"prompt": "hello"}) and text_estimated({"messages": []})
+    assert text_estimated({"prompt": [[1, 2], "hello"]})
+    assert not text_estimated({"prompt": [1, 2, 3]}) and not text_estimated({"prompt": [[1]]})
+
+
+@pytest.mark.timeout(120)
+def test_without_a_tokenizer_the_proxy_learns_chinese_prompts_from_the_engines_usage(tmp_path):
+    """The emulator counts exactly (an engine with the model's tokenizer); the proxy, not
+    given one, estimates four characters a token and learns the bias from each finished
+    request's ``usage.prompt_tokens``: after 20 requests its mirrored load of a new Chinese
+    chat is near the engine's count instead of a fraction of it."""
+    import httpx
+    import openai
+
+    from .conftest import Launcher, assert_quiescent, rank_urls
+
+    tokenizer = build(tmp_path / "model")
+    launch = Launcher(str(tmp_path))
+
+    def factor(proxy) -> float:
+        text = httpx.get(proxy.url + "/metrics").text
+        return float(next(line.split()[-1] for line in text.splitlines()
+                          if line.startswith("balanceroute_proxy_prompt_tokens_factor ")))
+
+    try:
+        emulator = launch.emulator(workers=1, batch=4, time_scale=0.5,
+                                   extra=("--tokenizer", str(tmp_path / "model")))
+        proxy = launch.proxy(rank_urls(emulator, 1), policy="br0", batch=4)
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0,
+                               timeout=30.0)
+        sentences = ["今天天气很好，我们去公园散步吧。", "你好，世界。", "今天很好。"]
+        for number in range(20):
+            messages = [{"role": "user", "content": sentences[number % 3] * (1 + number % 4)}]
+            answer = client.chat.completions.create(model="m", messages=messages, max_tokens=1)
+            assert answer.usage is not None and answer.usage.prompt_tokens == len(
+                tokenizer.encode(chat_text(messages), add_special_tokens=False).ids)
+        learned = factor(proxy)
+        assert learned > 3.0  # the estimate missed most of each prompt
+        messages = [{"role": "user", "content": "今天天气很好，我们去公园散步吧。" * 5}]
+        exact = len(tokenizer.encode(chat_text(messages), add_special_tokens=False).ids)
+        estimate = prompt_tokens({"messages": messages})
+        stream = client.chat.completions.create(
+            model="m", messages=messages, max_tokens=100_000, stream=True,
+            extra_body={"ignore_eos": True})
+        next(iter(stream))
+        text = httpx.get(proxy.url + "/metrics").text
+        gauge = 'balanceroute_proxy_rank_kv_tokens{rank="0"}'
+        mirrored = float(next(line.split()[-1] for line in text.splitlines()
+                              if line.startswith(gauge)))
+        stream.close()
+        assert mirrored >= 0.8 * exact and mirrored - math.ceil(estimate * learned) < 1000
+        assert estimate < 0.4 * exact  # what it would have been without learning
+        assert_quiescent(proxy)
+    finally:
+        launch.stop_all()

@@ -39,6 +39,14 @@ def build(folder, template: str | None = TEMPLATE, config: dict | None = None) -
     return tokenizer
 
 
+def first_token(stream) -> None:
+    """Read a chat stream up to its first token (the role chunk may come before any step)."""
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            return
+    raise AssertionError("the stream ended without a token")
+
+
 def chat_text(messages: list[dict]) -> str:
     """TEMPLATE rendered by hand."""
     return ("<s>" + "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages)
@@ -165,7 +173,7 @@ def test_proxy_and_emulator_count_a_chinese_chat_as_the_tokenizer_does(tmp_path)
             stream = client.chat.completions.create(
                 model="m", messages=messages, max_tokens=100_000, stream=True,
                 extra_body={"ignore_eos": True})
-            next(iter(stream))  # running
+            first_token(stream)  # running: a step has been logged
             metrics = httpx.get(proxy.url + "/metrics").text
             gauge = 'balanceroute_proxy_rank_kv_tokens{rank="0"}'
             mirrored = float(next(line.split()[-1] for line in metrics.splitlines()
@@ -258,7 +266,7 @@ def test_without_a_tokenizer_the_proxy_learns_chinese_prompts_from_the_engines_u
         stream = client.chat.completions.create(
             model="m", messages=messages, max_tokens=100_000, stream=True,
             extra_body={"ignore_eos": True})
-        next(iter(stream))
+        first_token(stream)
         text = httpx.get(proxy.url + "/metrics").text
         gauge = 'balanceroute_proxy_rank_kv_tokens{rank="0"}'
         mirrored = float(next(line.split()[-1] for line in text.splitlines()

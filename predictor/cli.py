@@ -510,9 +510,11 @@ def url_without_password(url: str) -> str:
     from sqlalchemy.exc import ArgumentError
 
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        shown = make_url(url).render_as_string(hide_password=True)
     except (ArgumentError, ValueError):
-        return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+        shown = re.sub(r"(://[^:/@]*:)[^/]*@", r"\1***@", url)  # to the last @ of the host part
+    # a password given as a query parameter (libpq's and psycopg's password=...)
+    return re.sub(r"(?i)([?&](?:password|passwd|pwd|secret)=)[^&]*", r"\1***", shown)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -63,7 +63,7 @@ from .metrics import ProxyMetrics
 from .pool import PendingPool, PoolExpired, PoolFull
 from .relay import NATURAL_TOOL_FINISHES, Aggregate, is_usage_only
 from .tokenizer import PromptCounter
-from .tokens import PromptCalibration, body_problem, prompt_tokens, text_estimated
+from .tokens import PromptCalibration, body_problem, calibratable, prompt_tokens
 
 log = logging.getLogger("balanceroute.proxy")
 
@@ -419,7 +419,7 @@ class Proxy:
         estimate = (await asyncio.to_thread(self.count, body)
                     if self.config.tokenizer and call.body_bytes > INLINE_COUNT_BYTES
                     else self.count(body))
-        if not self.config.tokenizer and text_estimated(body):
+        if not self.config.tokenizer and calibratable(body):
             call.raw_estimate = estimate
             estimate = self.calibration.apply(estimate)
         source = body.get("messages") if call.chat else body.get("prompt")

@@ -11,9 +11,18 @@ and BR-H fill margins with loads that are not there. Given the model's ``tokeniz
 - chat: ``messages`` rendered with the model's chat template (``chat_template`` in
   ``tokenizer_config.json``, or ``chat_template.jinja`` beside it) with the generation prompt,
   then encoded without special tokens (the template writes them), as ``apply_chat_template``
-  does. Without a template, or where the template fails on a body (a template may refuse a
+  does, in the environment transformers gives templates (``loopcontrols``, ``{% generation
+  %}``, a ``tojson`` that keeps non-ASCII text); a message whose content is a list of text
+  parts gets them joined with newlines, as vLLM passes them to a template that expects a
+  string. Without a template, or where the template fails on a body (a template may refuse a
   role order it does not support, which the engine will then refuse too), each message's
   text is encoded and :data:`proxy.tokens.CHAT_OVERHEAD_PER_MESSAGE` added per message.
+
+Counting holds the interpreter: a long text is encoded with ``encode_batch``, which lets it go
+while the Rust code runs (the proxy counts a large body on a worker thread, so its event loop
+keeps relaying tokens meanwhile), and a text past :data:`MAX_ENCODED_CHARS` is estimated, not
+encoded (no model takes such a prompt; the engine will refuse it). Truncation and padding
+saved in the file are turned off: they would cap or pad the count.
 
 ``PATH`` is a ``tokenizer.json`` or the model's directory holding one.
 """
@@ -26,9 +35,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .tokens import CHAT_OVERHEAD_PER_MESSAGE
+from .tokens import CHARS_PER_TOKEN, CHAT_OVERHEAD_PER_MESSAGE
 
 log = logging.getLogger("balanceroute.proxy")
+
+# Texts longer than this are estimated (CHARS_PER_TOKEN), not encoded: encoding 4 MB takes
+# seconds, and no model's context holds a prompt this long
+MAX_ENCODED_CHARS = 1 << 20
+# Texts at least this long are encoded with encode_batch, which releases the interpreter's
+# lock while it runs (encode keeps it); shorter ones with encode, cheaper per call
+RELEASE_CHARS = 4096
 
 
 class TokenizerError(ValueError):
@@ -61,6 +77,63 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(value: Any, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' ``tojson`` for templates: non-ASCII kept, keys in their order (jinja's own
+    escapes both, which would count a Chinese tool description several times over)."""
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _environment() -> Any:
+    """A sandboxed environment as transformers renders chat templates in."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}`` (transformers marks the assistant's
+        tokens with it): its body as it is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[Generation, loopcontrols])
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise
+    environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return environment
+
+
+def _flattened(messages: list[Any]) -> list[Any]:
+    """Messages whose content is a list of text parts with the parts joined by newlines (as
+    vLLM hands them to a template that takes a string); other content as it is."""
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and all(
+                isinstance(part, dict) and part.get("type", "text") == "text"
+                and isinstance(part.get("text"), str) for part in content):
+            message = {**message, "content": "\n".join(part["text"] for part in content)}
+        out.append(message)
+    return out
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's ``chat_template_kwargs`` (vLLM's: e.g. ``enable_thinking``), those that do
+    not clash with what the counter passes itself."""
+    extra = body.get("chat_template_kwargs")
+    if not isinstance(extra, dict):
+        return {}
+    taken = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
+    return {k: v for k, v in extra.items() if isinstance(k, str) and k not in taken}
+
+
 class PromptCounter:
     """``s_i`` of a completions or chat body by a Hugging Face tokenizer (see the module)."""
 
@@ -73,15 +146,14 @@ class PromptCounter:
         self._failed_once = False
         if template is not None:
             from jinja2.exceptions import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            environment.globals["raise_exception"] = _raise
-            environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             try:
-                self.template = environment.from_string(template)
+                self.template = _environment().from_string(template)
             except TemplateError as exc:
                 raise TokenizerError(f"{source}: the chat template does not parse: {exc}") from exc
+        else:
+            log.warning("%s: no chat template (tokenizer_config.json's chat_template, or "
+                        "chat_template.jinja); chats are counted message by message", source)
 
     @classmethod
     def load(cls, path: str | Path) -> PromptCounter:
@@ -100,6 +172,8 @@ class PromptCounter:
         except Exception as exc:  # the library raises its own types for a bad file
             raise TokenizerError(f"{file}: not a tokenizer.json the tokenizers library can "
                                  f"read ({exc})") from exc
+        tokenizer.no_truncation()  # a saved truncation would cap every count,
+        tokenizer.no_padding()  # a saved padding raise it
         config: dict[str, Any] = {}
         config_file = file.parent / "tokenizer_config.json"
         if config_file.is_file():
@@ -133,6 +207,11 @@ class PromptCounter:
         return 1
 
     def _encoded(self, text: str, special: bool) -> int:
+        if len(text) > MAX_ENCODED_CHARS:
+            return -(-len(text) // CHARS_PER_TOKEN)
+        if len(text) >= RELEASE_CHARS:
+            encoding, = self.tokenizer.encode_batch([text], add_special_tokens=special)
+            return len(encoding.ids)
         return len(self.tokenizer.encode(text, add_special_tokens=special).ids)
 
     def _chat(self, body: dict[str, Any]) -> int:
@@ -142,8 +221,9 @@ class PromptCounter:
 
             try:
                 text = self.template.render(
-                    messages=messages, add_generation_prompt=True, tools=body.get("tools"),
-                    bos_token=self.bos_token, eos_token=self.eos_token)
+                    messages=_flattened(messages), add_generation_prompt=True,
+                    tools=body.get("tools"), bos_token=self.bos_token,
+                    eos_token=self.eos_token, **_template_kwargs(body))
             except (TemplateError, TypeError, ValueError, AttributeError, KeyError) as exc:
                 if not self._failed_once:
                     self._failed_once = True

@@ -53,39 +53,56 @@ def prompt_tokens(body: dict[str, Any]) -> int:
     return 1
 
 
-def text_estimated(body: dict[str, Any]) -> bool:
-    """Whether :func:`prompt_tokens` estimates this body from text (chat, or a text prompt),
-    rather than counting token ids."""
+def calibratable(body: dict[str, Any]) -> bool:
+    """Whether the engine's count of this body can teach :class:`PromptCalibration` the
+    estimate's bias: text :func:`prompt_tokens` reads all of (a text prompt, or a chat of
+    text messages), nothing it leaves out (``tools``, tool calls, images and other parts)."""
     if "messages" in body:
+        if body.get("tools") or body.get("functions"):
+            return False
+        for message in body.get("messages") or []:
+            if not isinstance(message, dict) or message.get("tool_calls") \
+                    or message.get("function_call"):
+                return False
+            content = message.get("content")
+            if isinstance(content, list) and not all(
+                    isinstance(part, dict) and part.get("type", "text") == "text"
+                    for part in content):
+                return False
         return True
     prompt = body.get("prompt", "")
-    return isinstance(prompt, str) or (isinstance(prompt, list)
-                                       and any(isinstance(item, str) for item in prompt))
+    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt)
+                                       and all(isinstance(item, str) for item in prompt))
 
 
 class PromptCalibration:
     """The estimate's bias, learned from the engines' own counts: ``usage.prompt_tokens`` of
-    finished requests against what :func:`prompt_tokens` estimated for them. The ratio of the
-    two sums, each decayed with a half-life of ``half_life`` requests (so it follows a change
-    of traffic), scales later estimates once ``min_samples`` requests have been seen, within
-    ``bounds``. On English text it stays near 1; on Chinese text it learns the two to four
-    times the estimate misses. A per-request error remains (a mix of languages): give the
-    proxy ``--tokenizer`` for exact counts."""
+    finished requests against what :func:`prompt_tokens` estimated for them (only bodies it
+    estimates whole: :func:`calibratable`). Each request's ratio, clipped to ``bounds``,
+    counts once whatever its length (the mean of the log ratios, decayed with a half-life of
+    ``half_life`` requests, so it follows a change of traffic): one huge prompt cannot swing
+    it, and a client sending odd bodies moves it by no more than its share of requests. Its
+    exponential scales later estimates once ``min_samples`` requests have been seen. English
+    text keeps it near 1; Chinese text, one to two characters a token with the tokenizers of
+    Chinese-trained models, moves it to about 2-3. A per-request error remains where
+    languages mix: give the proxy ``--tokenizer`` for exact counts."""
 
     def __init__(self, min_samples: int = 20, half_life: float = 500.0,
                  bounds: tuple[float, float] = (0.25, 8.0)) -> None:
         self.min_samples = min_samples
         self.decay = 0.5 ** (1.0 / half_life)
         self.bounds = bounds
-        self.estimated = 0.0
-        self.reported = 0.0
+        self.log_sum = 0.0
+        self.weight = 0.0
         self.samples = 0
 
     def observe(self, estimated: int, reported: int) -> None:
         if estimated <= 0 or reported <= 0:
             return
-        self.estimated = self.estimated * self.decay + estimated
-        self.reported = self.reported * self.decay + reported
+        low, high = self.bounds
+        ratio = min(max(reported / estimated, low), high)
+        self.log_sum = self.log_sum * self.decay + math.log(ratio)
+        self.weight = self.weight * self.decay + 1.0
         self.samples += 1
 
     @property
@@ -93,8 +110,7 @@ class PromptCalibration:
         """Engine tokens per estimated token (1 until ``min_samples`` requests)."""
         if self.samples < self.min_samples:
             return 1.0
-        low, high = self.bounds
-        return min(max(self.reported / self.estimated, low), high)
+        return math.exp(self.log_sum / self.weight)
 
     def apply(self, estimate: int) -> int:
         return max(1, math.ceil(round(estimate * self.factor, 6)))  # (no 351 for 3.5 x 100)

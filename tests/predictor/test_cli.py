@@ -234,3 +234,14 @@ def test_serve_with_a_database_it_cannot_use_says_so_without_the_password(capsys
         err = capsys.readouterr().err
         assert "error: cannot use the database" in err and "user:***@127.0.0.1" in err, err
         assert "s3cret" not in err
+
+
+def test_a_database_urls_password_is_hidden_wherever_it_is_written():
+    from predictor.cli import url_without_password as shown
+
+    assert shown("postgresql://u:p@h/db") == "postgresql://u:***@h/db"
+    assert "s3cret" not in shown("postgresql://u@h/db?password=s3cret&sslmode=require")
+    hidden = shown("postgresql://u@h/db?sslmode=require&PASSWORD=x")
+    assert "PASSWORD=***" in hidden and "sslmode=require" in hidden and "=x" not in hidden
+    assert "p@ss" not in shown("postgresql://u:p@ss@h:notaport/db")
+    assert shown("sqlite:///x.db") == "sqlite:///x.db"

@@ -26,7 +26,7 @@ def build(folder, template: str | None = TEMPLATE, config: dict | None = None) -
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>", "<|end|>"],
+        vocab_size=1000, special_tokens=["<s>", "</s>", "<|end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
@@ -116,17 +116,84 @@ def test_a_template_that_refuses_the_body_falls_back_to_messages_one_by_one(tmp_
         assert count({"messages": messages}) == expected
         assert count({"messages": messages}) == expected
     assert sum("chat template failed" in r.message for r in caplog.records) == 1  # once
-    assert count({"messages": messages[1:2]}) > 0  # a body the template takes: rendered
+    # a body the template takes: rendered, its text parts joined as vLLM joins them
+    assert count({"messages": messages[1:2]}) == len(tokenizer.encode(chat_text(
+        [{"role": "user", "content": "how are you"}]), add_special_tokens=False).ids)
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
+    assert count({"messages": [{"role": "user", "content": parts}]}) == len(tokenizer.encode(
+        chat_text([{"role": "user", "content": "hello\nworld"}]), add_special_tokens=False).ids)
     assert count({"messages": [{"role": "user", "content": "hello"}]}) == len(
         tokenizer.encode(chat_text([{"role": "user", "content": "hello"}]),
                          add_special_tokens=False).ids)
 
 
-def test_without_a_template_messages_are_encoded_one_by_one(tmp_path):
+def test_without_a_template_messages_are_encoded_one_by_one(tmp_path, caplog):
     tokenizer = build(tmp_path, template=None)
     messages = [{"role": "user", "content": "hello world"}]
-    assert PromptCounter.load(tmp_path)({"messages": messages}) == len(
+    with caplog.at_level(logging.WARNING, logger="balanceroute.proxy"):
+        count = PromptCounter.load(tmp_path)
+    assert any("no chat template" in r.message for r in caplog.records)  # said at start
+    assert count({"messages": messages}) == len(
         tokenizer.encode("hello world", add_special_tokens=False).ids) + CHAT_OVERHEAD_PER_MESSAGE
+
+
+def test_templates_get_the_environment_transformers_gives_them(tmp_path):
+    """``loopcontrols``, ``{% generation %}``, a ``tojson`` that keeps Chinese text as it is
+    and keys in their order, and the request's ``chat_template_kwargs``."""
+    template = ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+                "{% generation %}<|{{ m['role'] }}|>{{ m['content'] }}{% endgeneration %}"
+                "{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}"
+                "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}")
+    tokenizer = build(tmp_path, template=template)
+    count = PromptCounter.load(tmp_path)
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "x"}]
+    tools = [{"type": "function", "function": {"name": "f", "description": "今天天气"}}]
+    rendered = "<|user|>hello" + json.dumps(tools, ensure_ascii=False)
+    assert count({"messages": messages, "tools": tools}) == len(
+        tokenizer.encode(rendered, add_special_tokens=False).ids)
+    assert count({"messages": messages, "tools": tools,
+                  "chat_template_kwargs": {"enable_thinking": False}}) == len(
+        tokenizer.encode(rendered + "<nothink>", add_special_tokens=False).ids)
+
+
+def test_a_truncation_saved_in_the_file_does_not_cap_the_count(tmp_path):
+    tokenizer = build(tmp_path)
+    tokenizer.enable_truncation(8)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    text = "the quick brown fox jumps over the lazy dog " * 10
+    tokenizer.no_truncation()
+    assert PromptCounter.load(tmp_path)({"prompt": text}) == len(tokenizer.encode(text).ids) > 8
+
+
+class Recording:
+    """A tokenizer stand-in that says which call counted a text."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def encode(self, text, add_special_tokens=True):
+        self.calls.append("encode")
+        return type("E", (), {"ids": [0] * len(text)})()
+
+    def encode_batch(self, texts, add_special_tokens=True):
+        self.calls.append("encode_batch")
+        return [type("E", (), {"ids": [0] * len(t)})() for t in texts]
+
+
+def test_long_texts_are_encoded_by_the_call_that_lets_the_interpreter_go():
+    """``encode`` holds the interpreter's lock while it runs, ``encode_batch`` releases it: a
+    long prompt counted on the proxy's worker thread must not stall its event loop. Past
+    MAX_ENCODED_CHARS the text is estimated (no model takes such a prompt)."""
+    from proxy.tokenizer import MAX_ENCODED_CHARS, RELEASE_CHARS
+
+    recording = Recording()
+    count = PromptCounter(recording)
+    assert count({"prompt": "x" * 100}) == 100 and recording.calls == ["encode"]
+    assert count({"prompt": "x" * RELEASE_CHARS}) == RELEASE_CHARS
+    assert recording.calls[-1] == "encode_batch"
+    calls = len(recording.calls)
+    assert count({"prompt": "x" * (MAX_ENCODED_CHARS + 4)}) == MAX_ENCODED_CHARS // 4 + 1
+    assert len(recording.calls) == calls  # not encoded
 
 
 def test_a_path_that_holds_no_tokenizer_is_refused_naming_it(tmp_path):
@@ -199,6 +266,17 @@ def test_a_bad_tokenizer_path_stops_the_proxy_and_the_emulator_with_a_clear_erro
     assert f"{missing}: no tokenizer.json there" in capsys.readouterr().err
 
 
+def test_one_huge_prompt_cannot_swing_the_learned_factor():
+    from proxy.tokens import PromptCalibration
+
+    calibration = PromptCalibration(min_samples=20)
+    for _ in range(19):
+        calibration.observe(100, 100)
+    calibration.observe(10, 1_000_000)  # clipped to 8x, and one request of twenty
+    assert calibration.factor == pytest.approx(8 ** (1 / 20), rel=0.01)  # the older decayed
+    assert calibration.factor < 1.12
+
+
 def test_the_estimates_bias_is_learned_from_the_engines_counts():
     from proxy.tokens import PromptCalibration
 
@@ -216,15 +294,23 @@ def test_the_estimates_bias_is_learned_from_the_engines_counts():
     assert calibration.factor == pytest.approx(1.1, rel=1e-3)
     bounded = PromptCalibration(min_samples=1)
     bounded.observe(10, 1000)
-    assert bounded.factor == 8.0 and bounded.apply(1) == 8
+    assert bounded.factor == pytest.approx(8.0) and bounded.apply(1) == 8
 
 
-def test_only_text_is_estimated():
-    from proxy.tokens import text_estimated
+def test_only_bodies_the_estimate_reads_whole_teach_it():
+    from proxy.tokens import calibratable
 
-    assert text_estimated({"prompt": "hello"}) and text_estimated({"messages": []})
-    assert text_estimated({"prompt": [[1, 2], "hello"]})
-    assert not text_estimated({"prompt": [1, 2, 3]}) and not text_estimated({"prompt": [[1]]})
+    text = {"role": "user", "content": "hello"}
+    assert calibratable({"prompt": "hello"}) and calibratable({"prompt": ["a", "b"]})
+    assert calibratable({"messages": [text]})
+    assert calibratable({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hello"}]}]})
+    assert not calibratable({"prompt": [1, 2, 3]}) and not calibratable({"prompt": [[1], "a"]})
+    assert not calibratable({"messages": [text], "tools": [{"type": "function"}]})
+    assert not calibratable({"messages": [text, {"role": "assistant", "content": None,
+                                                 "tool_calls": [{"id": "c"}]}]})
+    assert not calibratable({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:"}}]}]})
 
 
 @pytest.mark.timeout(120)
@@ -272,8 +358,11 @@ def test_without_a_tokenizer_the_proxy_learns_chinese_prompts_from_the_engines_u
         mirrored = float(next(line.split()[-1] for line in text.splitlines()
                               if line.startswith(gauge)))
         stream.close()
-        assert mirrored >= 0.8 * exact and mirrored - math.ceil(estimate * learned) < 1000
-        assert estimate < 0.4 * exact  # what it would have been without learning
+        # the factor applied (plus the tokens streamed so far); an average over the requests
+        # seen, so this one's own ratio is met only roughly
+        assert 0 <= mirrored - math.ceil(round(estimate * learned, 6)) < 1000
+        assert mirrored >= 0.7 * exact
+        assert estimate < 0.2 * exact  # what it would have been without learning
         assert_quiescent(proxy)
     finally:
         launch.stop_all()

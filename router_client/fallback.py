@@ -78,6 +78,11 @@ class FallbackController:
         self._publish()
         return self.healthy
 
+    def warming(self) -> None:
+        """The predictor has no answer yet (not a failure: no switch): predictions unused."""
+        self.healthy = False
+        self._publish()
+
     def advise_br0(self, br0: bool) -> None:
         """The router runs BR-0 on the service's recommendation (True), or BR-H again (False):
         BR-H then uses no predictions, whatever the refreshes say."""

@@ -106,6 +106,7 @@ class PredictionCache:
         if prediction.c_hat is None and prediction.warming:
             # not an answer yet, nor a failure: BR-0 until the first one, asked every step
             self.use_predictions = False
+            self.controller.warming()
             return Refresh(step, False, "warming", False)
         self.last_refresh = step
         self._asked_tokens = dict(zip(

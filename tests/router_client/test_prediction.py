@@ -121,3 +121,33 @@ def test_annotate_gives_brh_everything_or_nothing():
     np.testing.assert_array_equal(got.active_c_hat, [28.0, 80.0])
     np.testing.assert_array_equal(got.pool_c_hat[:1], [12.0])
     assert np.isnan(got.pool_c_hat[1]) and got.active_p_fin is None
+
+
+def test_a_predictor_warming_again_after_an_answer_leaves_the_gauge_at_zero():
+    """``balanceroute_router_brh_active`` follows whether predictions are used: a predictor
+    that answered and then reports it is warming (no answer yet, not a failure) leaves it 0,
+    with no fallback switch."""
+    from prometheus_client import generate_latest
+
+    from router_client.fallback import FallbackController, RouterMetrics
+
+    class Warming(Scripted):
+        def predict(self, batch, horizon):
+            if self.answers and self.answers[0] == "warming":
+                self.answers.pop(0)
+                return Prediction(None, warming=True)
+            return super().predict(batch, horizon)
+
+    metrics = RouterMetrics()
+    cache = PredictionCache(Warming([[5.0], "warming"]), horizon=80, refresh_steps=1,
+                            controller=FallbackController(metrics=metrics))
+
+    def gauge() -> str:
+        return next(line for line in generate_latest(metrics.registry).decode().splitlines()
+                    if line.startswith("balanceroute_router_brh_active "))
+
+    cache.refresh(0, batch(["a"]), 1)
+    assert cache.use_predictions and gauge().endswith(" 1.0")
+    cache.refresh(1, batch(["a"]), 1)
+    assert not cache.use_predictions and gauge().endswith(" 0.0")
+    assert cache.controller.switches == []

@@ -60,7 +60,7 @@ from .dispatcher import BackgroundPredictor, Dispatcher, MaxTokensPredictor, Ran
 from .emulator import wait_disconnect
 from .engines import EngineSet, retry_after_s
 from .metrics import ProxyMetrics
-from .pool import PendingPool, PoolExpired, PoolFull
+from .pool import NoRankUp, PendingPool, PoolExpired, PoolFull
 from .relay import NATURAL_TOOL_FINISHES, Aggregate, is_usage_only
 from .tokenizer import PromptCounter
 from .tokens import PromptCalibration, body_problem, calibratable, prompt_tokens
@@ -91,6 +91,7 @@ class ProxyConfig:
     refresh_steps: int = 10
     pool_max: int = 4096
     pool_ttl_s: float = 60.0
+    down_grace_s: float = 10.0  # with no rank up this long, waiting requests get a 503
     active_ttl_s: float = 300.0
     connect_timeout_s: float = 10.0
     engine_timeout_s: float = 120.0
@@ -295,7 +296,9 @@ class Proxy:
         self.dispatcher = Dispatcher(self.client, self.pending, self.metrics, self.policy,
                                      self.engines.up,
                                      round_interval_s=config.step_s or 0.01,
-                                     min_round_s=config.step_s or 0.0)
+                                     min_round_s=config.step_s or 0.0,
+                                     alive=self.engines.any_alive,
+                                     down_grace_s=config.down_grace_s)
         self.prefills = (EngineSet(config.prefill, self.http, self.metrics, self._wake,
                                    config.probe_interval_s, kind="prefill")
                          if config.prefill else None)
@@ -520,6 +523,10 @@ class Proxy:
         self.dispatcher.wake()
         try:
             return await entry.future
+        except NoRankUp:
+            raise ProxyError(503, "no decode rank is up", "service_unavailable",
+                             headers={"retry-after": str(max(
+                                 1, math.ceil(self.config.probe_interval_s)))}) from None
         except PoolExpired:
             raise ProxyError(503, "no decode slot within the pool TTL",
                              "service_unavailable") from None

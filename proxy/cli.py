@@ -98,6 +98,9 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
     proxy.add_argument("--bypass", action="store_true",
                        help="route at arrival; up to 2*B per rank (engine queues the excess)")
     proxy.add_argument("--pool-max", type=_count, default=4096, help="pool bound (429 beyond)")
+    proxy.add_argument("--down-grace", type=_positive_float, default=10.0, metavar="SECONDS",
+                       help="with no decode rank up this long, requests waiting in the pool "
+                       "get a 503 with Retry-After, as a new request does at once (default 10)")
     proxy.add_argument("--pool-ttl", type=_positive_float, default=60.0,
                        help="seconds a request may wait for a decode slot (default 60)")
     proxy.add_argument("--engine-timeout", type=_positive_float, default=120.0,
@@ -270,6 +273,7 @@ def _proxy_config(args: argparse.Namespace) -> Any:
                        predictor_url=args.predictor_url, lengths_from=args.lengths_from,
                        batch=args.batch, bypass=args.bypass,
                        pool_max=args.pool_max, pool_ttl_s=args.pool_ttl,
+                       down_grace_s=args.down_grace,
                        engine_timeout_s=args.engine_timeout,
                        connect_timeout_s=args.connect_timeout,
                        step_s=args.step_ms / 1000 if args.step_ms else None,

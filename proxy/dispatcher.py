@@ -31,6 +31,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from time import perf_counter
@@ -51,7 +52,7 @@ from router_client.predictors import (
 )
 
 from .metrics import ProxyMetrics
-from .pool import PendingPool
+from .pool import NoRankUp, PendingPool
 
 log = logging.getLogger("balanceroute.proxy")
 
@@ -221,7 +222,8 @@ class BackgroundPredictor:
 class Dispatcher:
     def __init__(self, client: RouterClient, pending: PendingPool, metrics: ProxyMetrics,
                  policy: RankMaskPolicy, up: list[bool], round_interval_s: float = 0.01,
-                 min_round_s: float = 0.0) -> None:
+                 min_round_s: float = 0.0, alive: Callable[[], bool] | None = None,
+                 down_grace_s: float = math.inf) -> None:
         self.client = client
         self.round_interval_s = round_interval_s
         self.min_round_s = min_round_s
@@ -234,6 +236,9 @@ class Dispatcher:
         self.rounds = 0
         self._expired_seen = 0
         self._fallback_seen = 0
+        self.alive = alive  # whether any decode rank is up (held back or not)
+        self.down_grace_s = down_grace_s
+        self._down_since: float | None = None
 
     def wake(self) -> None:
         self._wake.set()
@@ -272,8 +277,25 @@ class Dispatcher:
             await asyncio.sleep(interval_s)
             self.wake()
 
+    def _fail_while_none_up(self, now: float) -> None:
+        """With no decode rank up for ``down_grace_s``, the requests waiting in the pool get
+        the 503 a new request gets at once (:class:`~proxy.pool.NoRankUp`), instead of
+        waiting out the pool TTL; within the grace a rank that comes back (a restart) takes
+        them."""
+        if self.alive is None or self.alive():
+            self._down_since = None
+            return
+        if self._down_since is None:
+            self._down_since = now
+        if now - self._down_since < self.down_grace_s:
+            return
+        for request_id in self.pending.undispatched():
+            self.client.on_cancel(request_id, now)  # out of the router's pool too
+            self.pending.expire(request_id, NoRankUp(request_id))
+
     def round(self) -> None:
         now = time.monotonic()
+        self._fail_while_none_up(now)
         started = perf_counter()
         self.policy.last = None
         dispatches = self.client.tick(now)

@@ -21,6 +21,11 @@ class PoolExpired(Exception):
     """The request waited past the pool TTL (or was dropped from the pool) without a rank."""
 
 
+class NoRankUp(PoolExpired):
+    """No decode rank has been up for the proxy's ``--down-grace``: the request leaves the
+    pool with the 503 a new request gets at once."""
+
+
 @dataclass(eq=False)
 class Pending:
     request_id: str
@@ -52,10 +57,10 @@ class PendingPool:
         self.waiting -= 1
         return entry
 
-    def expire(self, request_id: str) -> None:
+    def expire(self, request_id: str, error: PoolExpired | None = None) -> None:
         entry = self.entries.get(request_id)
         if entry is not None and not entry.future.done():
-            entry.future.set_exception(PoolExpired(request_id))
+            entry.future.set_exception(error or PoolExpired(request_id))
             self.waiting -= 1
 
     def leave(self, request_id: str) -> None:

@@ -522,3 +522,84 @@ def test_a_clients_x_prompt_key_is_the_requests_key_and_a_bad_one_is_refused(mon
             assert "X-Prompt-Key header must be 1 to 256 characters" in \
                 answer.json()["error"]["message"]
     assert keys == ["template-7", key_of_text('"hello"')]
+
+
+def _waiting_request(proxy_url: str) -> tuple[Any, list]:
+    """A request sent now (it waits in the pool); the second item fills with (seconds it
+    took, the response) when it ends."""
+    import threading
+
+    out: list = []
+
+    def send() -> None:
+        began = time.monotonic()
+        response = httpx.post(proxy_url + "/v1/completions", timeout=90.0, json={
+            "model": "m", "prompt": [3] * 20, "max_tokens": 3, "ignore_eos": True})
+        out.append((time.monotonic() - began, response))
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread, out
+
+
+async def _one_running_one_waiting(proxy) -> tuple[asyncio.Future, tuple[Any, list]]:
+    """On a proxy of one slot: a long stream holding the slot, and a request waiting in the
+    pool behind it."""
+    streaming = [0]
+    holder = asyncio.ensure_future(_run(proxy.url, 1, 100_000, streaming))
+    await asyncio.to_thread(_wait_for, lambda: streaming[0] == 1, "the slot's holder")
+    waiting = _waiting_request(proxy.url)
+    await asyncio.to_thread(_wait_for, lambda: proxy_state(proxy)["pool"] == 1,
+                            "a request waiting")
+    return holder, waiting
+
+
+@pytest.mark.timeout(90)
+def test_with_every_rank_down_waiting_requests_get_a_503_after_the_grace(launcher: Launcher):
+    """A request waiting in the pool when the last rank goes down gets the 503 a new request
+    gets at once, after ``--down-grace`` (1 s here), not the 60 s pool TTL; a rank that comes
+    back within the grace takes its waiting requests."""
+    doomed = launcher.emulator(workers=1, batch=1, time_scale=1.0)
+    proxy = launcher.proxy([doomed.url], policy="br0", batch=1,
+                           extra=("--down-grace", "1", "--pool-ttl", "60"))
+    first = _waiting_request(proxy.url)  # the rank works
+    first[0].join(timeout=30)
+    assert first[1] and first[1][0][1].status_code == 200
+
+    async def hold_and_kill() -> tuple[str | int, list]:
+        holder, waiting = await _one_running_one_waiting(proxy)
+        doomed.kill()
+        await asyncio.to_thread(waiting[0].join, 60)
+        return (await holder)[0], waiting[1]
+
+    held, waited = asyncio.run(hold_and_kill())
+    assert isinstance(held, str)  # the holder's stream was cut with its rank
+    seconds, response = waited[0]
+    assert response.status_code == 503 and response.json()["error"]["message"] == \
+        "no decode rank is up"
+    assert response.headers["retry-after"] == "1"
+    assert seconds < 30  # the grace and a probe or two, not the 60 s pool TTL
+    assert_quiescent(proxy)
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_back_within_the_grace_takes_the_waiting_requests(launcher: Launcher):
+    rank = launcher.emulator(workers=1, batch=1, time_scale=1.0)
+    port = int(rank.url.rsplit(":", 1)[1])
+    proxy = launcher.proxy([rank.url], policy="br0", batch=1,
+                           extra=("--down-grace", "60", "--pool-ttl", "60"))
+
+    async def restart() -> list:
+        holder, waiting = await _one_running_one_waiting(proxy)
+        rank.kill()
+        await holder
+        await asyncio.to_thread(_wait_for, lambda: proxy_state(proxy)["up"] == [False],
+                                "the rank marked down")
+        launcher.emulator(workers=1, batch=1, port=port)  # back, within the grace
+        await asyncio.to_thread(waiting[0].join, 60)
+        return waiting[1]
+
+    waited = asyncio.run(restart())
+    assert waited and waited[0][1].status_code == 200
+    assert len(waited[0][1].json()["choices"][0]["text"]) > 0
+    assert_quiescent(proxy)

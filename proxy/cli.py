@@ -233,9 +233,9 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
 
 
 def _log_to_stderr() -> None:
-    """Our log lines on stderr, timestamped: the proxy's from INFO (its start), the rest from
-    WARNING (ranks down and back, fallback switches; a failed refresh is INFO, one per
-    refresh while the service is away)."""
+    """Our log lines on stderr, timestamped: the proxy's and the emulator's from INFO (their
+    start), the rest from WARNING (ranks down and back, fallback switches; a failed refresh is
+    INFO, one per refresh while the service is away)."""
     logger = logging.getLogger("balanceroute")
     if not logger.handlers:
         handler = logging.StreamHandler()
@@ -244,6 +244,7 @@ def _log_to_stderr() -> None:
         logger.setLevel(logging.WARNING)
         logger.propagate = False
         logging.getLogger("balanceroute.proxy").setLevel(logging.INFO)
+        logging.getLogger("balanceroute.emulator").setLevel(logging.INFO)
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -257,12 +258,23 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     except ValueError as exc:  # options that are wrong together, e.g. --policy brh alone
         print(f"balanceroute proxy: error: {exc}", file=sys.stderr)
         return 2
+    from .emulator import bind_sockets
+
+    try:  # bound before saying where it listens: a port taken is one clear line
+        sockets = bind_sockets(args.host, args.port, 1, backlog=4096)
+    except OSError as exc:
+        print(f"balanceroute proxy: error: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     _log_to_stderr()
     logging.getLogger("balanceroute.proxy").info(
         "balanceroute proxy on http://%s:%d (OpenAI-compatible /v1; /metrics, /readyz)",
         args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                access_log=False, timeout_keep_alive=30, backlog=4096)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           timeout_keep_alive=30, backlog=4096))
+    try:
+        run_async(server.serve(sockets=sockets))
+    except KeyboardInterrupt:
+        pass
     return 0
 
 
@@ -300,7 +312,7 @@ def cmd_emulate(args: argparse.Namespace) -> int:
                             max_queued=args.max_queued_requests,
                             start_after=args.start_after, tokenizer=args.tokenizer)
     try:
-        run_async(serve(config, args.host, args.port))
+        run_async(serve(config, args.host, args.port, listening=_log_to_stderr))
     except KeyboardInterrupt:
         pass
     except TokenizerError as exc:

@@ -540,7 +540,7 @@ async def _stream(emulator: Emulator, rank: int, responder: _Responder,
             emulator.cancel(rank, request)
 
 
-def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+def bind_sockets(host: str, port: int, count: int, backlog: int = 2048) -> list[socket.socket]:
     """Listening sockets on ``port`` .. ``port + count - 1`` (an :class:`OSError` naming the
     port that cannot be bound; those bound before it are closed)."""
     sockets: list[socket.socket] = []
@@ -549,7 +549,7 @@ def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port + offset))
-            sock.listen(2048)
+            sock.listen(backlog)
         except OSError as exc:
             sock.close()
             for bound in sockets:
@@ -561,14 +561,19 @@ def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     return sockets
 
 
-async def serve(config: EmulatorConfig, host: str = "127.0.0.1", port: int = 9000) -> None:
+async def serve(config: EmulatorConfig, host: str = "127.0.0.1", port: int = 9000,
+                listening: Callable[[], None] | None = None) -> None:
+    """Serve the ranks; ``listening`` is called once their ports are bound (the command sets
+    up its logging there: a run that cannot bind leaves the process's logging alone)."""
     emulator = Emulator(config)
     app = build_app(emulator, port)
     sockets = bind_sockets(host, port, config.workers + config.prefill_workers)
+    if listening is not None:
+        listening()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_keep_alive=30))
     stepper = asyncio.ensure_future(emulator.run())
-    log.warning("emulating %d decode ranks on %s:%d-%d (%d prefill after them)",
+    log.info("emulating %d decode ranks on %s:%d-%d (%d prefill after them)",
                 config.workers, host, port, port + config.workers - 1, config.prefill_workers)
     try:
         await server.serve(sockets=sockets)

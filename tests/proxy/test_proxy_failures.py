@@ -603,3 +603,19 @@ def test_a_rank_back_within_the_grace_takes_the_waiting_requests(launcher: Launc
     assert waited and waited[0][1].status_code == 200
     assert len(waited[0][1].json()["choices"][0]["text"]) > 0
     assert_quiescent(proxy)
+
+
+def test_a_proxy_port_taken_is_one_clear_error_before_it_says_where_it_listens(capsys):
+    from predictor.cli import main
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        assert main(["proxy", "--decode", "http://127.0.0.1:9", "--port", str(port)]) == 1
+    finally:
+        taken.close()
+    err = capsys.readouterr().err
+    assert f"balanceroute proxy: error: cannot listen on 127.0.0.1:{port}" in err
+    assert "balanceroute proxy on http" not in err

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 from datetime import UTC
 from typing import Any
 
@@ -213,19 +215,22 @@ def test_serving_options_out_of_range_are_refused_naming_the_option(capsys, argv
     assert message in capsys.readouterr().err
 
 
+@contextlib.contextmanager
+def _taken_port() -> Iterator[int]:
+    """A port another socket listens on, for as long as the block runs."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        yield taken.getsockname()[1]
+
+
 def test_emulated_ports_past_65535_or_taken_are_an_error_naming_the_port(capsys):
     from predictor.cli import main
 
     assert main(["emulate", "--workers", "4", "--port", "65534"]) == 2
     assert "needs ports up to 65537, past 65535" in capsys.readouterr().err
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen(1)
-    port = taken.getsockname()[1]
-    try:
+    with _taken_port() as port:
         assert main(["emulate", "--workers", "1", "--port", str(port)]) == 1
-    finally:
-        taken.close()
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
@@ -608,14 +613,8 @@ def test_a_rank_back_within_the_grace_takes_the_waiting_requests(launcher: Launc
 def test_a_proxy_port_taken_is_one_clear_error_before_it_says_where_it_listens(capsys):
     from predictor.cli import main
 
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen(1)
-    port = taken.getsockname()[1]
-    try:
+    with _taken_port() as port:
         assert main(["proxy", "--decode", "http://127.0.0.1:9", "--port", str(port)]) == 1
-    finally:
-        taken.close()
     err = capsys.readouterr().err
     assert f"balanceroute proxy: error: cannot listen on 127.0.0.1:{port}" in err
     assert "balanceroute proxy on http" not in err

@@ -461,7 +461,10 @@ def settings_help() -> str:
 
     lines = ["settings (environment variables; defaults in brackets):"]
     for name, field in Settings.model_fields.items():
-        default = "unset" if field.default is None else field.default
+        default = field.default
+        if default is None:  # unset: a default derived from others, where the field says so
+            derived = re.search(r"default:? ([^;)]+)", field.description or "")
+            default = derived.group(1).strip() if derived else "unset"
         lines.append(f"  BALANCEROUTE_{name.upper():<30} [{default}]")
     return "\n".join(lines)
 

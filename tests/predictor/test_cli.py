@@ -245,3 +245,13 @@ def test_a_database_urls_password_is_hidden_wherever_it_is_written():
     assert "PASSWORD=***" in hidden and "sslmode=require" in hidden and "=x" not in hidden
     assert "p@ss" not in shown("postgresql://u:p@ss@h:notaport/db")
     assert shown("sqlite:///x.db") == "sqlite:///x.db"
+
+
+def test_serve_help_gives_each_settings_default_derived_ones_in_words(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    shown = capsys.readouterr().out
+    assert "BALANCEROUTE_DEFAULT_HORIZON" in shown and "[80]" in shown
+    assert "[536870912, or max_body_bytes if larger]" in shown
+    assert "[a quarter of calibration_max_pending]" in shown
+    assert "BALANCEROUTE_API_TOKEN                      [unset]" in shown

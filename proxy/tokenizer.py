@@ -32,14 +32,15 @@ from __future__ import annotations
 import json
 import logging
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .tokens import CHARS_PER_TOKEN, CHAT_OVERHEAD_PER_MESSAGE
+from .tokens import CHAT_OVERHEAD_PER_MESSAGE, completion_tokens, message_texts, text_tokens
 
 log = logging.getLogger("balanceroute.proxy")
 
-# Texts longer than this are estimated (CHARS_PER_TOKEN), not encoded: encoding 4 MB takes
+# Texts longer than this are estimated (tokens.text_tokens), not encoded: encoding 4 MB takes
 # seconds, and no model's context holds a prompt this long
 MAX_ENCODED_CHARS = 1 << 20
 # Texts at least this long are encoded with encode_batch, which releases the interpreter's
@@ -191,24 +192,11 @@ class PromptCounter:
         :func:`proxy.tokens.body_problem`."""
         if "messages" in body:
             return max(1, self._chat(body))
-        prompt = body.get("prompt", "")
-        if isinstance(prompt, str):
-            return max(1, self._encoded(prompt, True))
-        if isinstance(prompt, list):
-            if not prompt or isinstance(prompt[0], int):  # token ids
-                return max(1, len(prompt))
-            total = 0
-            for item in prompt:
-                if isinstance(item, str):
-                    total += self._encoded(item, True)
-                elif isinstance(item, list):
-                    total += len(item)
-            return max(1, total)
-        return 1
+        return completion_tokens(body.get("prompt", ""), partial(self._encoded, special=True))
 
     def _encoded(self, text: str, special: bool) -> int:
         if len(text) > MAX_ENCODED_CHARS:
-            return -(-len(text) // CHARS_PER_TOKEN)
+            return text_tokens(text)
         if len(text) >= RELEASE_CHARS:
             encoding, = self.tokenizer.encode_batch([text], add_special_tokens=special)
             return len(encoding.ids)
@@ -231,12 +219,5 @@ class PromptCounter:
                                 "counted message by message", exc)
             else:
                 return self._encoded(text, False)
-        total = 0
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, str):
-                total += self._encoded(content, False)
-            elif isinstance(content, list):
-                total += sum(self._encoded(part.get("text") or "", False)
-                             for part in content if isinstance(part, dict))
+        total = sum(self._encoded(text, False) for text in message_texts(messages))
         return total + CHAT_OVERHEAD_PER_MESSAGE * len(messages)

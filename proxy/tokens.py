@@ -12,45 +12,55 @@ The emulator uses the same rules, so proxy and emulator agree.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 CHARS_PER_TOKEN = 4
 CHAT_OVERHEAD_PER_MESSAGE = 4
 
 
-def _text_tokens(text: str) -> int:
+def text_tokens(text: str) -> int:
+    """The estimate for one text: ``ceil(chars / CHARS_PER_TOKEN)``."""
     return math.ceil(len(text) / CHARS_PER_TOKEN)
 
 
-def _content_chars(content: Any) -> int:
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):  # content parts: [{"type": "text", "text": ...}, ...]
-        return sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
-    return 0
+def message_texts(messages: list[Any]) -> Iterator[str]:
+    """The texts of chat messages: each string content, and each content part's ``text``
+    (``[{"type": "text", "text": ...}, ...]``)."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            yield content
+        elif isinstance(content, list):
+            yield from (part.get("text") or "" for part in content if isinstance(part, dict))
 
 
-def prompt_tokens(body: dict[str, Any]) -> int:
-    """``s_i`` for a completions or chat body (at least 1)."""
-    if "messages" in body:
-        messages = body.get("messages") or []
-        chars = sum(_content_chars(m.get("content")) for m in messages if isinstance(m, dict))
-        return max(1, math.ceil(chars / CHARS_PER_TOKEN)
-                   + CHAT_OVERHEAD_PER_MESSAGE * len(messages))
-    prompt = body.get("prompt", "")
+def completion_tokens(prompt: Any, count_text: Callable[[str], int]) -> int:
+    """``s_i`` of a completions ``prompt`` (at least 1): token ids as they are, each text by
+    ``count_text``, a list of prompts summed."""
     if isinstance(prompt, str):
-        return max(1, _text_tokens(prompt))
+        return max(1, count_text(prompt))
     if isinstance(prompt, list):
         if not prompt or isinstance(prompt[0], int):  # token ids (not checked one by one)
             return max(1, len(prompt))
         total = 0
         for item in prompt:
             if isinstance(item, str):
-                total += _text_tokens(item)
+                total += count_text(item)
             elif isinstance(item, list):
                 total += len(item)
         return max(1, total)
     return 1
+
+
+def prompt_tokens(body: dict[str, Any]) -> int:
+    """``s_i`` for a completions or chat body (at least 1)."""
+    if "messages" in body:
+        messages = body.get("messages") or []
+        chars = sum(map(len, message_texts(messages)))
+        return max(1, math.ceil(chars / CHARS_PER_TOKEN)
+                   + CHAT_OVERHEAD_PER_MESSAGE * len(messages))
+    return completion_tokens(body.get("prompt", ""), text_tokens)
 
 
 def calibratable(body: dict[str, Any]) -> bool:

@@ -448,9 +448,7 @@ class Proxy:
                 break
             call.request_id = call.base_id if attempt == 0 else f"{call.base_id}-r{attempt}"
             if not self.engines.any_alive():  # nothing to wait for in the pool: say so now
-                raise ProxyError(503, "no decode rank is up", "service_unavailable",
-                                 headers={"retry-after": str(max(
-                                     1, math.ceil(self.config.probe_interval_s)))})
+                raise self._no_rank_up()
             if self.lengths is not None:
                 self.lengths.expect(call.request_id, body.get("max_completion_tokens",
                                                               body.get("max_tokens")))
@@ -523,13 +521,18 @@ class Proxy:
         self.dispatcher.wake()
         try:
             return await entry.future
-        except NoRankUp:
-            raise ProxyError(503, "no decode rank is up", "service_unavailable",
-                             headers={"retry-after": str(max(
-                                 1, math.ceil(self.config.probe_interval_s)))}) from None
+        except NoRankUp:  # none came back within --down-grace
+            raise self._no_rank_up() from None
         except PoolExpired:
             raise ProxyError(503, "no decode slot within the pool TTL",
                              "service_unavailable") from None
+
+    def _no_rank_up(self) -> ProxyError:
+        """The 503 of a request no decode rank is up to take: at once, or after waiting in
+        the pool for ``--down-grace``; retry once the ranks are probed again."""
+        return ProxyError(503, "no decode rank is up", "service_unavailable",
+                          headers={"retry-after": str(max(
+                              1, math.ceil(self.config.probe_interval_s)))})
 
     async def _prefill(self, call: Call, body: dict[str, Any], path: str,
                        estimate: int) -> tuple[int, Any]:
@@ -557,8 +560,9 @@ class Proxy:
                              f"{response.content[:500].decode(errors='replace')}",
                              "upstream_error")
         answer = orjson.loads(response.content)
-        tokens = int((answer.get("usage") or {}).get("prompt_tokens") or estimate)
-        if tokens != estimate:  # the prefill engine's own count
+        reported = (answer.get("usage") or {}).get("prompt_tokens")
+        tokens = int(reported or estimate)
+        if reported:  # the prefill engine's own count
             self._calibrate(call, tokens)
         return tokens, answer.get("kv_transfer_params")
 

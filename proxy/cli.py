@@ -270,7 +270,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         "balanceroute proxy on http://%s:%d (OpenAI-compatible /v1; /metrics, /readyz)",
         args.host, args.port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           timeout_keep_alive=30, backlog=4096))
+                                           timeout_keep_alive=30))  # backlog: the socket's
     try:
         run_async(server.serve(sockets=sockets))
     except KeyboardInterrupt:

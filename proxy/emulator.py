@@ -574,7 +574,7 @@ async def serve(config: EmulatorConfig, host: str = "127.0.0.1", port: int = 900
                                            timeout_keep_alive=30))
     stepper = asyncio.ensure_future(emulator.run())
     log.info("emulating %d decode ranks on %s:%d-%d (%d prefill after them)",
-                config.workers, host, port, port + config.workers - 1, config.prefill_workers)
+             config.workers, host, port, port + config.workers - 1, config.prefill_workers)
     try:
         await server.serve(sockets=sockets)
     finally:

@@ -218,7 +218,19 @@ def compare(trace: Trace, policies: list[str], config: FleetBenchConfig,
                 rows.append(run_policy(trace, policy, config, workdir))
             if progress:
                 print(f"{policy}: {time.monotonic() - started:.0f} s wall", file=sys.stderr)
-    counterparts = {p: ab_counterpart(p) for p in policies}
+    reference = add_ab_figures(trace, rows, config)
+    for row in rows:
+        row["ratio"] = row["throughput_tok_s"] / reference["throughput_tok_s"]
+        row["agreement"] = row["ratio"] / row["ab_ratio"] - 1.0
+    return rows
+
+
+def add_ab_figures(trace: Trace, rows: list[dict[str, Any]],
+                   config: FleetBenchConfig) -> dict[str, Any]:
+    """Each row's ``ab`` counterpart on the same requests and fleet (:func:`simulate`): its
+    policy, tok/s, max-min and tok/s over the reference's; returns the reference row (BR-0's,
+    else the first)."""
+    counterparts = {row["policy"]: ab_counterpart(row["policy"]) for row in rows}
     sim = simulate(trace, list(dict.fromkeys(counterparts.values())), config)
     reference = next((r for r in rows if r["policy"] == "br0"), rows[0])
     sim_reference = sim[counterparts[reference["policy"]]]
@@ -227,10 +239,8 @@ def compare(trace: Trace, policies: list[str], config: FleetBenchConfig,
         row["ab_policy"] = counterparts[row["policy"]]
         row["ab_throughput_tok_s"] = ab["throughput_tok_s"]
         row["ab_imbalance_maxmin_mean"] = ab["imbalance_maxmin_mean"]
-        row["ratio"] = row["throughput_tok_s"] / reference["throughput_tok_s"]
         row["ab_ratio"] = ab["throughput_tok_s"] / sim_reference["throughput_tok_s"]
-        row["agreement"] = row["ratio"] / row["ab_ratio"] - 1.0
-    return rows
+    return reference
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
@@ -332,10 +342,8 @@ def demo_stage(trace_path: str, predictor_url: str) -> str:
     # what the simulator expects of the same requests and fleet (BR-H learning in process
     # from these completions alone, where the demo's service learned the ab stage's first):
     # the yardstick for the proxy's figures, which swing much more in a run this short
-    counterparts = {r["policy"]: ab_counterpart(r["policy"]) for r in rows}
-    sim = simulate(trace, list(counterparts.values()), config)
+    add_ab_figures(trace, rows, config)
     reference = rows[0]["throughput_tok_s"] or 1.0
-    sim_reference = sim[counterparts["br0"]]["throughput_tok_s"] or 1.0
     lines = ["(a smoke run of the whole loop, not a measurement: the fleet fills once and then "
              "empties, so tok/s and 'x br0' swing by a few percent between identical runs; "
              "'ab' is balanceroute ab on the same requests; `balanceroute bench proxy-ab` "
@@ -344,12 +352,9 @@ def demo_stage(trace_path: str, predictor_url: str) -> str:
              f"{'round ms':>8} {'BR-0 rounds':>11} {'wall s':>6} {'ab policy':>14} "
              f"{'ab x br0':>8} {'ab max-min':>10}"]
     for r in rows:
-        ab = sim[counterparts[r["policy"]]]
         lines.append(f"{r['policy']:<6} {r['completed']:5d} {r['failed']:6d} "
                      f"{r['throughput_tok_s']:7.0f} {r['throughput_tok_s'] / reference:7.4f} "
                      f"{r['imbalance_maxmin_mean']:8.0f} {r['router_ms_mean']:8.3f} "
-                     f"{r['fallback_rounds']:11d} {r['wall_s']:6.0f} "
-                     f"{counterparts[r['policy']]:>14} "
-                     f"{ab['throughput_tok_s'] / sim_reference:8.4f} "
-                     f"{ab['imbalance_maxmin_mean']:10.0f}")
+                     f"{r['fallback_rounds']:11d} {r['wall_s']:6.0f} {r['ab_policy']:>14} "
+                     f"{r['ab_ratio']:8.4f} {r['ab_imbalance_maxmin_mean']:10.0f}")
     return "\n".join(lines)

@@ -254,21 +254,29 @@ class Emulator:
         return list(self.steps)[max(0, since - first):]
 
 
-def summarize(steps: list[dict[str, Any]]) -> dict[str, float]:
-    """Imbalance and throughput over logged steps (emulated time, from the cost model)."""
+def summarize(steps: list[dict[str, Any]], a_cost: float) -> dict[str, float]:
+    """Imbalance and throughput over logged steps (emulated time, from the cost model), and
+    ``ab``'s balanced bound: the same steps' tokens had every step cost ``a * mean_g L_g + b``
+    instead of ``a * max_g L_g + b`` (``a_cost``: the model's ``a``). Throughput over the bound
+    is the routing's share of what perfect balance of the same work would give, which does not
+    depend on how much work the fleet held; throughput alone does."""
     busy = [s for s in steps if any(s["active"])]
     if not busy:
         return {"steps": 0, "tokens": 0, "emulated_s": 0.0, "tok_s": 0.0,
+                "balanced_bound_tok_s": 0.0,
                 "imbalance_maxmin_mean": 0.0, "imbalance_total_mean": 0.0}
     loads = np.asarray([s["loads"] for s in busy], dtype=np.float64)
     top = loads.max(axis=1)
+    excess = loads.shape[1] * top - loads.sum(axis=1)  # what the barrier idles, per step
     tokens = int(sum(s["tokens"] for s in busy))
     emulated = float(sum(s["dt"] for s in busy))
+    balanced = emulated - a_cost * float(excess.sum()) / loads.shape[1]
     return {
         "steps": len(busy), "tokens": tokens, "emulated_s": emulated,
         "tok_s": tokens / emulated if emulated else 0.0,
+        "balanced_bound_tok_s": tokens / balanced if balanced > 0 else 0.0,
         "imbalance_maxmin_mean": float((top - loads.min(axis=1)).mean()),
-        "imbalance_total_mean": float((loads.shape[1] * top - loads.sum(axis=1)).mean()),
+        "imbalance_total_mean": float(excess.mean()),
     }
 
 
@@ -489,7 +497,8 @@ def build_app(emulator: Emulator, base_port: int) -> Starlette:
                   "load": r.load, "finished": r.finished, "cancelled": r.cancelled,
                   "handoffs": r.handoffs} for r in emulator.ranks]
         return JSONResponse({"next": emulator.step_index, "ranks": ranks,
-                             **summarize(emulator.steps_since(since))})
+                             **summarize(emulator.steps_since(since),
+                                        emulator.config.step_cost[0])})
 
     async def health(request: Request) -> Response:
         return PlainTextResponse("ok")

@@ -106,13 +106,13 @@ def spawned(args: list[str], ready_url: str, log_path: str,
         stop_process(process, timeout_s=15.0)
 
 
-def step_log_summary(steps: list[dict[str, Any]]) -> dict[str, float]:
+def step_log_summary(steps: list[dict[str, Any]], a_cost: float) -> dict[str, float]:
     """``ab``'s figures from the emulator's step log: :func:`proxy.emulator.summarize` over the
-    steps up to the last admission, throughput named as ``ab`` names it, plus the mean count
-    of running requests."""
+    steps up to the last admission (``a_cost``: the step-cost model's ``a``), throughput named
+    as ``ab`` names it, plus the mean count of running requests."""
     last = max((i for i, s in enumerate(steps) if s.get("admitted")), default=-1)
     window = steps[: last + 1]
-    summary = summarize(window)
+    summary = summarize(window, a_cost)
     summary["throughput_tok_s"] = summary.pop("tok_s")
     running = [sum(s["active"]) for s in window if any(s["active"])]
     summary["running_mean"] = float(np.mean(running)) if running else 0.0
@@ -157,7 +157,7 @@ def run_policy(trace: Trace, policy: str, config: FleetBenchConfig, workdir: str
         state = httpx.get(url + "/proxy/state", timeout=10.0).json()
         metrics = httpx.get(url + "/metrics", timeout=10.0).text
     router_s, rounds = _histogram_sum_count(metrics, "balanceroute_proxy_router_seconds")
-    row = {"policy": policy, **step_log_summary(steps["steps"]),
+    row = {"policy": policy, **step_log_summary(steps["steps"], a),
            "router_rounds": rounds, "router_ms_mean": 1000 * router_s / rounds if rounds else 0.0,
            "fallback_rounds": state["fallback_rounds"], "brh_active": state["brh_active"],
            "completed": summary["completed"], "failed": summary["failed"],
@@ -239,20 +239,31 @@ def add_ab_figures(trace: Trace, rows: list[dict[str, Any]],
         row["ab_policy"] = counterparts[row["policy"]]
         row["ab_throughput_tok_s"] = ab["throughput_tok_s"]
         row["ab_imbalance_maxmin_mean"] = ab["imbalance_maxmin_mean"]
+        row["ab_balanced_bound_tok_s"] = ab["balanced_bound_tok_s"]
         row["ab_ratio"] = ab["throughput_tok_s"] / sim_reference["throughput_tok_s"]
     return reference
 
 
+def _bound_share(throughput: float, bound: float) -> float:
+    return 100 * throughput / bound if bound else 0.0
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'policy':<7} {'proxy tok/s':>11} {'x br0':>7} {'max-min':>8} "
-             f"{'ab tok/s':>9} {'x br0':>7} {'max-min':>8} {'ratio vs ab':>11} "
+    lines = [f"{'policy':<7} {'proxy tok/s':>11} {'x br0':>7} {'max-min':>8} {'% bound':>7} "
+             f"{'ab tok/s':>9} {'x br0':>7} {'max-min':>8} {'% bound':>7} {'ratio vs ab':>11} "
              f"{'failed':>6} {'wall s':>6}"]
     for r in rows:
         lines.append(
             f"{r['policy']:<7} {r['throughput_tok_s']:11.0f} {r['ratio']:7.4f} "
-            f"{r['imbalance_maxmin_mean']:8.0f} {r['ab_throughput_tok_s']:9.0f} "
-            f"{r['ab_ratio']:7.4f} {r['ab_imbalance_maxmin_mean']:8.0f} "
+            f"{r['imbalance_maxmin_mean']:8.0f} "
+            f"{_bound_share(r['throughput_tok_s'], r['balanced_bound_tok_s']):7.2f} "
+            f"{r['ab_throughput_tok_s']:9.0f} {r['ab_ratio']:7.4f} "
+            f"{r['ab_imbalance_maxmin_mean']:8.0f} "
+            f"{_bound_share(r['ab_throughput_tok_s'], r['ab_balanced_bound_tok_s']):7.2f} "
             f"{100 * r['agreement']:+10.2f}% {r['failed']:6d} {r['wall_s']:6.0f}")
+    lines.append("% bound: throughput over the balanced bound of the same steps' work (every "
+                 "step at the mean rank's load): the routing's share of perfect balance, which "
+                 "tok/s alone mixes with how much KV the fleet held in the window")
     for r in rows:
         if r["policy"] == SERVICE_POLICY:
             lines.append(

@@ -16,16 +16,18 @@ def step(loads, active, tokens, admitted, dt=0.5):
 def test_window_ends_at_the_last_admission():
     steps = [step([10, 4], [2, 1], 3, 3), step([12, 2], [2, 1], 3, 0),
              step([20, 8], [3, 1], 4, 1), step([22, 0], [3, 0], 3, 0)]  # drain: not counted
-    summary = step_log_summary(steps)
+    summary = step_log_summary(steps, 0.01)
     assert summary["steps"] == 3 and summary["tokens"] == 10
     assert summary["throughput_tok_s"] == pytest.approx(10 / 1.5)
+    # every step at the mean load instead of the maximum: 0.01 * (6 + 10 + 12) / 2 s less
+    assert summary["balanced_bound_tok_s"] == pytest.approx(10 / (1.5 - 0.14))
     assert summary["imbalance_maxmin_mean"] == pytest.approx((6 + 10 + 12) / 3)
     assert summary["imbalance_total_mean"] == pytest.approx((6 + 10 + 12) / 3)  # G = 2
     assert summary["running_mean"] == pytest.approx(10 / 3)
 
 
 def test_empty_log_and_step_estimate():
-    assert step_log_summary([])["throughput_tok_s"] == 0.0
+    assert step_log_summary([], 0.01)["throughput_tok_s"] == 0.0
     trace = Trace("t", np.array([100, 300]), np.array([10, 30]), np.zeros(2, dtype=bool),
                   [None, None])
     config = FleetBenchConfig(batch=4, step_cost=(1e-3, 0.01), time_scale=2.0)

@@ -41,7 +41,7 @@ def measure(launcher: Launcher, emulator, policy: str) -> dict:
     steps = httpx.get(emulator.url + f"/emulator/steps?since={since}").json()["steps"]
     # the routing window: until 80% of the tokens (the drain after it has nothing to route)
     tokens = np.cumsum([step["tokens"] for step in steps])
-    return summarize(steps[: int(np.searchsorted(tokens, 0.8 * tokens[-1]))])
+    return summarize(steps[: int(np.searchsorted(tokens, 0.8 * tokens[-1]))], 4e-6)
 
 
 @pytest.mark.slow

@@ -1,0 +1,41 @@
+"""tools/bound_share.py: a throughput ratio split into the bound ratio and the share ratio."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = [sys.executable, str(ROOT / "tools" / "bound_share.py")]
+
+
+def _row(policy: str, throughput: float, bound: float) -> dict:
+    return {"workers": 8, "policy": policy, "throughput_tok_s": throughput,
+            "balanced_bound_tok_s": bound}
+
+
+def test_bound_share_splits_hand_worked_ratios(tmp_path):
+    # Replay 1: BR-H 1.03x BR-0's tok/s, all of it from a 3% higher bound (share 1.0).
+    # Replay 2: 1.02x tok/s on a 1% higher bound: share 1.02 / 1.01.
+    learned = tmp_path / "learned.jsonl"
+    learned.write_text("\n".join(json.dumps({"cell": "mooncake:1.0", "rows": rows}) for rows in (
+        [_row("br0", 1000.0, 1050.0), _row("brh-oracle", 1030.0, 1081.5)],
+        [_row("br0", 1000.0, 1000.0), _row("brh-oracle", 1020.0, 1010.0)])) + "\n")
+    oracle = tmp_path / "oracle.jsonl"
+    oracle.write_text(json.dumps({
+        "trace": "azure", "load": "backlog", "workers": 4, "variant": "default",
+        "br0": _row("br0", 500.0, 520.0), "oracle": _row("brh-oracle", 499.0, 520.0)}) + "\n")
+    out = subprocess.run([*TOOL, str(learned), str(oracle)], check=True, capture_output=True,
+                         text=True, cwd=ROOT).stdout
+    lines = {line.split()[0] + line.split()[1]: line.split() for line in out.splitlines()[1:]
+             if line.startswith(("mooncake", "azure"))}
+    moon = lines["mooncake:1.08"]
+    assert moon[2:4] == ["brh-oracle", "2"]
+    assert float(moon[4]) == round((1.03 + 1.02) / 2, 4)
+    assert float(moon[5]) == round((1.03 + 1.01) / 2, 4)
+    assert float(moon[6]) == round((1.0 + 1.02 / 1.01) / 2, 4)
+    azure = lines["azure:backlog4"]
+    assert azure[2] == "brh-oracle:default" and float(azure[6]) == round(499 / 500, 4)
+    assert "2 cells; share ratio below 0.999 in 1, lowest 0.9980" in out

@@ -167,6 +167,7 @@ TABLE_COLUMNS = [
     ("tok/s", "throughput_tok_s", "{:>9.1f}"),
     ("x jsq", "throughput_vs_jsq", "{:>6.3f}"),
     ("of bound", "bound_fraction", "{:>8.2%}"),
+    ("run tok/s", "run_throughput_tok_s", "{:>9.1f}"),
     ("max-min", "imbalance_maxmin_mean", "{:>9.0f}"),
     ("x jsq", "imbalance_vs_jsq", "{:>6.3f}"),
     ("I(k)", "imbalance_total_mean", "{:>9.0f}"),

@@ -296,6 +296,9 @@ class Dispatcher:
     def round(self) -> None:
         now = time.monotonic()
         self._fail_while_none_up(now)
+        waiting = len(self.client.fleet.pool)
+        if waiting and self._free_up_slots():
+            self.metrics.round_pool.observe(waiting)
         started = perf_counter()
         self.policy.last = None
         dispatches = self.client.tick(now)

@@ -157,8 +157,11 @@ def run_policy(trace: Trace, policy: str, config: FleetBenchConfig, workdir: str
         state = httpx.get(url + "/proxy/state", timeout=10.0).json()
         metrics = httpx.get(url + "/metrics", timeout=10.0).text
     router_s, rounds = _histogram_sum_count(metrics, "balanceroute_proxy_router_seconds")
+    pool_sum, pool_rounds = _histogram_sum_count(metrics, "balanceroute_proxy_round_pool_requests")
     row = {"policy": policy, **step_log_summary(steps["steps"], a),
            "router_rounds": rounds, "router_ms_mean": 1000 * router_s / rounds if rounds else 0.0,
+           # requests waiting as a round with a free slot starts (ab's backlog keeps 4G)
+           "round_pool_mean": pool_sum / pool_rounds if pool_rounds else 0.0,
            "fallback_rounds": state["fallback_rounds"], "brh_active": state["brh_active"],
            "completed": summary["completed"], "failed": summary["failed"],
            "wall_s": summary["duration_s"], "wall_tok_s": summary["output_throughput"],
@@ -249,21 +252,25 @@ def _bound_share(throughput: float, bound: float) -> float:
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'policy':<7} {'proxy tok/s':>11} {'x br0':>7} {'max-min':>8} {'% bound':>7} "
-             f"{'ab tok/s':>9} {'x br0':>7} {'max-min':>8} {'% bound':>7} {'ratio vs ab':>11} "
-             f"{'failed':>6} {'wall s':>6}"]
+    width = max([6, *(len(r["policy"]) for r in rows)])
+    lines = [f"{'policy':<{width}} {'proxy tok/s':>11} {'x br0':>7} {'max-min':>8} "
+             f"{'% bound':>7} {'pool':>5} {'ab tok/s':>9} {'x br0':>7} {'max-min':>8} "
+             f"{'% bound':>7} {'ratio vs ab':>11} {'failed':>6} {'wall s':>6}"]
     for r in rows:
         lines.append(
-            f"{r['policy']:<7} {r['throughput_tok_s']:11.0f} {r['ratio']:7.4f} "
+            f"{r['policy']:<{width}} {r['throughput_tok_s']:11.0f} {r['ratio']:7.4f} "
             f"{r['imbalance_maxmin_mean']:8.0f} "
             f"{_bound_share(r['throughput_tok_s'], r['balanced_bound_tok_s']):7.2f} "
+            f"{r.get('round_pool_mean', 0.0):5.1f} "
             f"{r['ab_throughput_tok_s']:9.0f} {r['ab_ratio']:7.4f} "
             f"{r['ab_imbalance_maxmin_mean']:8.0f} "
             f"{_bound_share(r['ab_throughput_tok_s'], r['ab_balanced_bound_tok_s']):7.2f} "
             f"{100 * r['agreement']:+10.2f}% {r['failed']:6d} {r['wall_s']:6.0f}")
     lines.append("% bound: throughput over the balanced bound of the same steps' work (every "
                  "step at the mean rank's load): the routing's share of perfect balance, which "
-                 "tok/s alone mixes with how much KV the fleet held in the window")
+                 "tok/s alone mixes with how much KV the fleet held in the window; pool: "
+                 f"requests waiting as a proxy round with a free slot started (ab keeps "
+                 f"{BACKLOG_PER_RANK} per rank)")
     for r in rows:
         if r["policy"] == SERVICE_POLICY:
             lines.append(

@@ -14,6 +14,7 @@ from router_client.fallback import RouterMetrics
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                    0.25, 0.5, 1.0)
+POOL_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                 60.0)
 
@@ -40,6 +41,11 @@ class ProxyMetrics:
                                      registry=r)
         self.pool_depth = Gauge("balanceroute_proxy_pool_depth",
                                 "requests waiting in the prompt pool", registry=r)
+        self.round_pool = Histogram("balanceroute_proxy_round_pool_requests",
+                                    "requests waiting in the pool as a routing round with a "
+                                    "free slot starts: the choice the router had (a router "
+                                    "that sees one or two at a time places them as they come)",
+                                    buckets=POOL_BUCKETS, registry=r)
         self.pool_wait = Histogram("balanceroute_proxy_pool_wait_seconds",
                                    "time from joining the pool to dispatch",
                                    buckets=WAIT_BUCKETS, registry=r)

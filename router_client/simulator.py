@@ -305,6 +305,9 @@ class MetricsCollector:
             "fallback_steps": len(self.fallback_rounds),
             "gamma_mean": float(np.mean(self.gammas)) if self.gammas else None,
             "drain_steps": drain, "makespan_s": clock, "routing_steps": int(steps_in_window),
+            # every output token over the whole run, drain included: the same work for every
+            # policy, so its ratio is not moved by which requests a policy left for the drain
+            "run_throughput_tok_s": float(sum(self.tokens)) / clock if clock else 0.0,
         }
 
     def _latencies(self, outputs: np.ndarray) -> dict[str, float | None]:

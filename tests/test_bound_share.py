@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOL = [sys.executable, str(ROOT / "tools" / "bound_share.py")]
 
 
-def _row(policy: str, throughput: float, bound: float) -> dict:
+def _row(policy: str, throughput: float, bound: float, makespan: float = 100.0) -> dict:
     return {"workers": 8, "policy": policy, "throughput_tok_s": throughput,
-            "balanced_bound_tok_s": bound}
+            "balanced_bound_tok_s": bound, "makespan_s": makespan}
 
 
 def test_bound_share_splits_hand_worked_ratios(tmp_path):
@@ -21,7 +21,7 @@ def test_bound_share_splits_hand_worked_ratios(tmp_path):
     # Replay 2: 1.02x tok/s on a 1% higher bound: share 1.02 / 1.01.
     learned = tmp_path / "learned.jsonl"
     learned.write_text("\n".join(json.dumps({"cell": "mooncake:1.0", "rows": rows}) for rows in (
-        [_row("br0", 1000.0, 1050.0), _row("brh-oracle", 1030.0, 1081.5)],
+        [_row("br0", 1000.0, 1050.0), _row("brh-oracle", 1030.0, 1081.5, makespan=102.0)],
         [_row("br0", 1000.0, 1000.0), _row("brh-oracle", 1020.0, 1010.0)])) + "\n")
     oracle = tmp_path / "oracle.jsonl"
     oracle.write_text(json.dumps({
@@ -36,6 +36,29 @@ def test_bound_share_splits_hand_worked_ratios(tmp_path):
     assert float(moon[4]) == round((1.03 + 1.02) / 2, 4)
     assert float(moon[5]) == round((1.03 + 1.01) / 2, 4)
     assert float(moon[6]) == round((1.0 + 1.02 / 1.01) / 2, 4)
+    assert float(moon[7]) == round((100 / 102 + 1.0) / 2, 4)  # finished later in replay 1
     azure = lines["azure:backlog4"]
     assert azure[2] == "brh-oracle:default" and float(azure[6]) == round(499 / 500, 4)
-    assert "2 cells; share ratio below 0.999 in 1, lowest 0.9980" in out
+    assert ("2 cells; share ratio below 0.999 in 1, lowest 0.9980; whole run below 0.999 in 1, "
+            f"lowest {(100 / 102 + 1.0) / 2:.4f}") in out
+
+
+def test_admission_order_reads_every_admission_in_order(tmp_path):
+    """tools/admission_order.py: the quarters' mean prompts average to the trace's mean (every
+    request admitted once), and a variant runs beside the policies."""
+    from router_client.traces import load_trace
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "admission_order.py"), "--trace",
+         "synth:templated:n=400", "--sample", "400", "--workers", "2", "--batch", "8",
+         "--load", "backlog", "--parts", "4", "--variant", "always=guard=always"],
+        check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert set(rows) == {"br0", "brh-oracle", "always"}
+    trace = load_trace("synth:templated:n=400").sample(400, 1)
+    for line in rows.values():
+        quarters = [float(v) for v in line.split("|")[0].split()[1:]]
+        assert len(quarters) == 4
+        assert abs(sum(quarters) / 4 - float(trace.prompt_tokens.mean())) < 1.0
+        past = int(line.split("past the window ")[1].split()[0])
+        assert 0 < past <= 2 * 8  # at most a full fleet runs on after the last admission

@@ -11,8 +11,12 @@ load instead of the maximum) moves with that work and not with balance, so
 
     throughput ratio = bound ratio (the work the window held) x share ratio (the routing)
 
-where the share is throughput over the run's own bound. For each cell (trace and load, G,
-policy against BR-0 in the same replay) this prints the mean over replicates of the three.
+where the share is throughput over the run's own bound. The fourth column, "whole run", is
+BR-0's makespan over the policy's: every output token over the whole run, drain included,
+the same work for both, so what a policy left for the drain is paid for there (a finite
+replay's drain runs short of requests, so it weighs the end of the run more than a steady
+stream would). For each cell (trace and load, G, policy against BR-0 in the same replay) this
+prints the mean over replicates of the four.
 Reads the rows of ``tools/learned_eval.py`` (``{"cell", "rows": [...]}``) and of
 ``tools/oracle_eval.py matrix`` (``{"trace", "load", "workers", "br0", "oracle"}``).
 """
@@ -44,16 +48,18 @@ def pairs(line: dict[str, Any]) -> Iterator[tuple[tuple[str, int, str], Pair]]:
             line["oracle"], line["br0"])
 
 
-def ratios(pair: Pair) -> tuple[float, float, float]:
+def ratios(pair: Pair) -> tuple[float, float, float, float]:
     row, reference = pair
     throughput = row["throughput_tok_s"] / reference["throughput_tok_s"]
     bound = row["balanced_bound_tok_s"] / reference["balanced_bound_tok_s"]
-    return throughput, bound, throughput / bound
+    whole = (reference["makespan_s"] / row["makespan_s"]
+             if row.get("makespan_s") and reference.get("makespan_s") else float("nan"))
+    return throughput, bound, throughput / bound, whole
 
 
 def table(paths: list[Path]) -> dict[tuple[str, int, str], np.ndarray]:
-    """Per cell, the (replicates, 3) ratios: throughput, bound, share."""
-    cells: dict[tuple[str, int, str], list[tuple[float, float, float]]] = defaultdict(list)
+    """Per cell, the (replicates, 4) ratios: throughput, bound, share, whole run."""
+    cells: dict[tuple[str, int, str], list[tuple[float, ...]]] = defaultdict(list)
     for path in paths:
         for text in path.read_text().splitlines():
             if text.strip():
@@ -72,15 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     means = {key: values.mean(axis=0) for key, values in cells.items()}
     order = sorted(means, key=lambda key: means[key][2] if args.lowest else key)
     print(f"{'cell':<24} {'G':>3} {'policy':<22} {'n':>2} {'x br0 tok/s':>11} "
-          f"{'bound':>7} {'share':>7}")
+          f"{'bound':>7} {'share':>7} {'whole run':>9}")
     for key in order[: args.lowest] if args.lowest else order:
         cell, workers, policy = key
-        thr, bound, share = means[key]
+        thr, bound, share, whole = means[key]
         print(f"{cell:<24} {workers:>3} {policy:<22} {len(cells[key]):>2} {thr:11.4f} "
-              f"{bound:7.4f} {share:7.4f}")
+              f"{bound:7.4f} {share:7.4f} {whole:9.4f}")
     shares = np.asarray([m[2] for m in means.values()])
+    wholes = np.asarray([m[3] for m in means.values()])
+    wholes = wholes[~np.isnan(wholes)]
+    whole = (f"whole run below 0.999 in {int((wholes < 0.999).sum())}, lowest {wholes.min():.4f}"
+             if wholes.size else "no makespan in these rows")
     print(f"{len(means)} cells; share ratio below 0.999 in {int((shares < 0.999).sum())}, "
-          f"lowest {shares.min():.4f}")
+          f"lowest {shares.min():.4f}; {whole}")
     return 0
 
 

@@ -66,7 +66,7 @@ LOADS = ["backlog", "1.5", "1.0", "0.8"]
 LONG_OUTPUTS = ("synth-long", "sharegpt")
 KEPT = ("throughput_tok_s", "balanced_bound_tok_s", "imbalance_maxmin_mean",
         "imbalance_total_mean", "starvation_guard_admissions", "completed", "ttft_p95_ms",
-        "pool_wait_p95_steps", "guard_waits")  # of each row
+        "pool_wait_p95_steps", "guard_waits", "makespan_s", "run_throughput_tok_s")  # of each row
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, object]]:

@@ -13,6 +13,7 @@ import asyncio
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.emulator import summarize
 from proxy.loadgen import LoadConfig, run
@@ -37,6 +38,13 @@ def measure(launcher: Launcher, emulator, policy: str) -> dict:
         url=proxy.url, rate=float("inf"), max_concurrency=G * B + 4 * G)))
     assert summary["failed"] == 0, summary["errors"]
     assert_quiescent(proxy)
+    # the choice each round had: the closed loop keeps up to 4 per rank waiting
+    pool = {s.name: s.value for family in text_string_to_metric_families(
+        httpx.get(proxy.url + "/metrics").text) for s in family.samples
+        if s.name.startswith("balanceroute_proxy_round_pool_requests")}
+    rounds = pool["balanceroute_proxy_round_pool_requests_count"]
+    assert rounds > 0
+    assert 1 <= pool["balanceroute_proxy_round_pool_requests_sum"] / rounds <= 4 * G
     proxy.stop()
     steps = httpx.get(emulator.url + f"/emulator/steps?since={since}").json()["steps"]
     # the routing window: until 80% of the tokens (the drain after it has nothing to route)

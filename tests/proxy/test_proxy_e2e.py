@@ -111,6 +111,7 @@ def test_models_health_and_metrics(fleet):
     for name in ("balanceroute_proxy_rank_kv_tokens", "balanceroute_proxy_rank_active",
                  "balanceroute_proxy_imbalance_total_tokens", "balanceroute_proxy_pool_depth",
                  "balanceroute_proxy_pool_wait_seconds_bucket",
+                 "balanceroute_proxy_round_pool_requests_bucket",
                  "balanceroute_proxy_router_seconds_bucket",
                  "balanceroute_proxy_pool_expired_total",
                  "balanceroute_proxy_guard_admissions_total",

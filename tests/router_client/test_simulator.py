@@ -34,6 +34,8 @@ def test_tiny_scenario_by_hand():
     assert row["throughput_tok_s"] == pytest.approx(3 / 10.5)
     assert row["balanced_bound_tok_s"] == pytest.approx(3 / 10.5)
     assert row["makespan_s"] == pytest.approx(10.5 + 11.5 + 8.5)
+    # all six output tokens (2 + 1 + 3) over the whole run, the drain's two steps included
+    assert row["run_throughput_tok_s"] == pytest.approx(6 / (10.5 + 11.5 + 8.5))
     assert row["ttft_p95_ms"] == pytest.approx(10500.0)
     assert row["tpot_p95_ms"] is None  # nothing with two or more tokens ended in the window
     assert row["pool_wait_p95_steps"] == 0.0

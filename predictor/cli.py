@@ -257,7 +257,9 @@ def _add_tune(sub) -> None:
                       help="share of the trace (the latest requests) kept out of tuning and "
                       "used to check the recommendation against BR-0 (default 0)")
     tune.add_argument("--min-gain", type=float, default=0.001,
-                      help="BR-H must beat BR-0's throughput by this share (default 0.001)")
+                      help="BR-H must beat BR-0's share of the balanced bound by this "
+                      "fraction, with no less throughput and no more imbalance (default "
+                      "0.001)")
     tune.add_argument("--windows", type=int, default=2,
                       help="replay the past in this many consecutive windows; BR-H is "
                       "recommended only if it wins in each (default 2; 1: one replay)")
@@ -424,11 +426,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     tuned = len(trace) - int(round(len(trace) * args.holdout))
     print(f"trace {args.trace}: tuned on the first {tuned} of {len(trace)} requests, "
           f"G={args.workers}, B={args.batch}, load {args.load}, estimator {args.estimator}")
-    print(f"{'setting':<34} {'tok/s':>9} {'x br0':>7} {'max-min':>9} {'guard':>6}")
-    for row in result.rows:
+    print(f"{'setting':<34} {'tok/s':>9} {'x br0':>7} {'of bound':>8} {'max-min':>9} "
+          f"{'guard':>6}")
+    for row in result.rows:  # best routing (share of the balanced bound) first
         print(f"{row['setting']:<34} {row['throughput_tok_s']:9.1f} "
-              f"{row['throughput_tok_s'] / reference:7.4f} {row['imbalance_maxmin_mean']:9.0f} "
-              f"{row['starvation_guard_admissions']:6d}")
+              f"{row['throughput_tok_s'] / reference:7.4f} {row['bound_share']:8.2%} "
+              f"{row['imbalance_maxmin_mean']:9.0f} {row['starvation_guard_admissions']:6d}")
     note = abtest.uncontended_note(result.rows)
     if note:
         print(note)

@@ -73,9 +73,10 @@ def test_turnover_gamma_in_the_grid_and_the_recommendation():
 
 
 def test_a_setting_that_raises_the_imbalance_is_not_recommended():
-    def row(policy, throughput, imbalance, gamma=0.86):
+    def row(policy, throughput, imbalance, gamma=0.86, bound=1100.0):
         return {"policy": policy, "horizon": 80, "beta": None, "gamma": gamma,
-                "throughput_tok_s": throughput, "imbalance_maxmin_mean": imbalance}
+                "throughput_tok_s": throughput, "balanced_bound_tok_s": bound,
+                "imbalance_maxmin_mean": imbalance}
 
     br0 = row("br0", 1000.0, 100.0)
     deferring = row("brh-exactmatch", 1013.0, 155.0, 0.97)  # first by throughput
@@ -85,13 +86,34 @@ def test_a_setting_that_raises_the_imbalance_is_not_recommended():
     assert _choose([deferring, slight, br0], 0.001) == Candidate("br0")
     assert _choose([deferring, br0], 0.001) == Candidate("br0")
     # over two windows of the past it must win in each: +5% then -1% is not enough
-    windows = [{"throughput_tok_s": 1050.0, "imbalance_maxmin_mean": 80.0},
-               {"throughput_tok_s": 990.0, "imbalance_maxmin_mean": 90.0}]
-    br0["windows"] = [{"throughput_tok_s": 1000.0, "imbalance_maxmin_mean": 100.0}] * 2
+    windows = [{"throughput_tok_s": 1050.0, "balanced_bound_tok_s": 1100.0,
+                "imbalance_maxmin_mean": 80.0},
+               {"throughput_tok_s": 990.0, "balanced_bound_tok_s": 1100.0,
+                "imbalance_maxmin_mean": 90.0}]
+    br0["windows"] = [{"throughput_tok_s": 1000.0, "balanced_bound_tok_s": 1100.0,
+                       "imbalance_maxmin_mean": 100.0}] * 2
     assert _choose([{**balanced, "windows": windows}, br0], 0.001) == Candidate("br0")
     windows[1]["throughput_tok_s"] = 1002.0
     assert _choose([{**balanced, "windows": windows}, br0], 0.001) == Candidate(
         "brh", 80, None, 0.86)
+
+
+def test_a_gain_from_the_work_left_after_the_window_is_not_recommended():
+    """+1.2% tok/s with a bound 1.2% higher (the window held lighter work: heavy requests
+    left for the drain) is no better routing: BR-0. The same tok/s on BR-0's bound is."""
+    def row(policy, throughput, bound, imbalance=80.0):
+        return {"policy": policy, "horizon": 80, "beta": None, "gamma": 0.86,
+                "throughput_tok_s": throughput, "balanced_bound_tok_s": bound,
+                "imbalance_maxmin_mean": imbalance}
+
+    br0 = row("br0", 1000.0, 1100.0, 100.0)
+    deferring = row("brh-exactmatch", 1012.0, 1113.2)  # share 1012 / 1113.2 = BR-0's
+    assert _choose([deferring, br0], 0.001) == Candidate("br0")
+    routing = row("brh-exactmatch", 1012.0, 1100.0)
+    assert _choose([deferring, routing, br0], 0.001) == Candidate("brh", 80, None, 0.86)
+    # a better share with less throughput (the window held heavier work) is not taken either
+    heavier = row("brh-exactmatch", 995.0, 1080.0)
+    assert _choose([heavier, br0], 0.001) == Candidate("br0")
 
 
 def test_tuning_replays_the_past_in_windows_each_warmed_on_the_ones_before():
@@ -103,6 +125,10 @@ def test_tuning_replays_the_past_in_windows_each_warmed_on_the_ones_before():
         assert row["requests"] == 1200
         assert row["throughput_tok_s"] == pytest.approx(
             np.mean([w["throughput_tok_s"] for w in row["windows"]]))
+        assert row["bound_share"] == pytest.approx(np.mean(
+            [w["throughput_tok_s"] / w["balanced_bound_tok_s"] for w in row["windows"]]))
+    shares = [row["bound_share"] for row in result.rows]
+    assert shares == sorted(shares, reverse=True)  # best routing first
     single = tune(trace.head(400), SimConfig(workers=2, batch=8, load="backlog"),
                   grid=SMALL_GRID, windows=2)  # too few requests for two windows
     assert all("windows" not in row for row in single.rows)

@@ -442,6 +442,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             ratio = row["throughput_tok_s"] / base
             print(f"held out ({row['requests']} later requests): {row['setting']:<34} "
                   f"{row['throughput_tok_s']:9.1f} tok/s, x br0 {ratio:.4f}, "
+                  f"{row['bound_share']:.2%} of bound, "
                   f"max-min {row['imbalance_maxmin_mean']:.0f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

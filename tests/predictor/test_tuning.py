@@ -139,8 +139,13 @@ def test_tune_command(tmp_path, capsys):
     assert main(["tune", "--trace", "synth:templated:n=400,seed=2", "--workers", "2",
                  "--batch", "8", "--load", "backlog", "--holdout", "0.25", "--quiet",
                  "--json", str(out)]) == 0
-    assert "never filled" not in capsys.readouterr().out  # a backlog: requests always wait
+    printed = capsys.readouterr().out
+    assert "never filled" not in printed  # a backlog: requests always wait
     result = json.loads(out.read_text())
+    # the table and the held-out lines show each row's share of its balanced bound
+    assert "of bound" in printed.splitlines()[1]
+    for row in result["evaluation"]:
+        assert f"{row['bound_share']:.2%} of bound" in printed
     assert result["note"] is None
     assert all(row["contended_steps"] > 0 for row in result["rows"])
     assert result["recommendation"]["policy"] in ("br0", "brh")

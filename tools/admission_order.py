@@ -6,10 +6,13 @@
 Replays one trace sample per policy (``balanceroute ab``'s simulator and defaults) and prints,
 for each tenth of the admissions in the order they were made, the mean prompt of the
 requests admitted in it, then how many requests ran past the routing window (finished after
-the last admission) and their mean prompt. A policy whose later tenths hold heavier prompts
-than BR-0's has left work for the drain. A ``--variant`` (``tools/oracle_eval.py``'s syntax:
-:class:`BalanceRouteParams` fields) adds a ``brh-oracle`` run with those fields: its window held less KV, which raises its ``tok/s``
-without better balance (README, "What a throughput ratio is made of").
+the last admission) and their mean prompt, and the 95th percentile of the wait from arrival
+to admission (in steps; at backlog from the start) with the mean prompt of the requests that
+waited that long or longer. A policy whose later tenths hold heavier prompts than BR-0's
+has left work for the drain: its window held less KV, which raises its ``tok/s`` without
+better balance (README, "What a throughput ratio is made of"). A ``--variant``
+(``tools/oracle_eval.py``'s syntax: :class:`BalanceRouteParams` fields) adds a
+``brh-oracle`` run with those fields.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from tracepaths import FILES  # noqa: E402
 
 from predictor import abtest  # noqa: E402
 from router_client.admission import BalanceRouteParams  # noqa: E402
-from router_client.simulator import SimConfig, simulate  # noqa: E402
+from router_client.simulator import SimConfig, arrival_steps, simulate  # noqa: E402
 from router_client.traces import Trace, load_trace  # noqa: E402
 
 
@@ -46,7 +49,13 @@ def admission_profile(trace: Trace, policy: str, config: SimConfig, parts: int,
     tenths = [float(prompts[chunk].mean()) for chunk in np.array_split(order, parts)]
     last = int(result.admit_step.max())
     past = np.flatnonzero(result.finish_step > last)
+    # the longest waits (arrival to admission, in steps; at a numeric load) and their prompts
+    arrived = (np.zeros(len(trace)) if config.backlog else arrival_steps(trace, config))
+    wait = (result.admit_step - arrived)[admitted]
+    slowest = admitted[wait >= np.percentile(wait, 95)]
     return {"policy": policy, "parts": tenths, "past_window": int(past.size),
+            "wait_p95_steps": float(np.percentile(wait, 95)),
+            "slowest_prompt": float(prompts[slowest].mean()),
             "past_window_prompt": float(prompts[past].mean()) if past.size else 0.0,
             "throughput_tok_s": result.row["throughput_tok_s"],
             "balanced_bound_tok_s": result.row["balanced_bound_tok_s"],
@@ -83,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         parts = " ".join(f"{value:7.0f}" for value in p["parts"])  # type: ignore[union-attr]
         print(f"{label:<15} {parts} | past the window {p['past_window']} (mean prompt "
               f"{p['past_window_prompt']:.0f}) | tok/s {p['throughput_tok_s']:.0f}, bound "
-              f"{p['balanced_bound_tok_s']:.0f}, makespan {p['makespan_s']:.1f} s")
+              f"{p['balanced_bound_tok_s']:.0f}, makespan {p['makespan_s']:.1f} s | wait p95 "
+              f"{p['wait_p95_steps']:.0f} steps, the slowest 5% mean prompt "
+              f"{p['slowest_prompt']:.0f}")
     return 0
 
 

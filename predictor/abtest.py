@@ -220,6 +220,37 @@ def uncontended_note(rows: Sequence[dict], requests: str = "--requests",
             f"BR-0; compare on a busier stretch, more requests ({requests}) or a higher {load}")
 
 
+# A bound this far from BR-0's (either way) means the windows held different work.
+WINDOW_WORK_NOTED = 0.005
+
+
+def window_note(rows: Sequence[dict]) -> str | None:
+    """A warning naming the rows whose routing window held noticeably lighter or heavier work
+    than BR-0's in the same replay (balanced bound more than 0.5% apart): their ``tok/s``
+    ratio then mixes that work with the routing, and ``of bound`` is the routing's share
+    (README, "What a throughput ratio is made of")."""
+    reference = {r["workers"]: r for r in rows if r["policy"] == "br0"}
+    parts = []
+    for row in rows:
+        ref = reference.get(row["workers"])
+        if row["policy"] == "br0" or ref is None or not (
+                ref["balanced_bound_tok_s"] and ref["throughput_tok_s"]
+                and row["balanced_bound_tok_s"]):
+            continue
+        bound = row["balanced_bound_tok_s"] / ref["balanced_bound_tok_s"]
+        if abs(bound - 1.0) < WINDOW_WORK_NOTED:
+            continue
+        throughput = row["throughput_tok_s"] / ref["throughput_tok_s"]
+        parts.append(f"{row['policy']} at G={row['workers']}: tok/s {throughput - 1:+.2%} = "
+                     f"its window's work {bound - 1:+.2%} x its routing "
+                     f"{throughput / bound - 1:+.2%}")
+    if not parts:
+        return None
+    return ("note: against BR-0 in the same replay, " + "; ".join(parts) + " (the work a "
+            "window holds: a policy that leaves heavy requests for the drain runs a lighter "
+            "one; the routing is 'of bound', the whole run 'run tok/s')")
+
+
 def write_csv(rows: Sequence[dict], path: Path) -> None:
     keys: list[str] = []
     for row in rows:

@@ -385,9 +385,9 @@ def cmd_ab(args: argparse.Namespace) -> int:
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")
     print(abtest.format_table(comparison.rows))
-    note = abtest.uncontended_note(comparison.rows)
-    if note:
-        print(note)
+    for note in (abtest.uncontended_note(comparison.rows), abtest.window_note(comparison.rows)):
+        if note:
+            print(note)
     if args.predictor_url:
         print(f"BR-H predictions from {args.predictor_url}")
         refused = {p.config_error for p in getattr(factory, "created", []) if p.config_error}

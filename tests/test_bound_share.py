@@ -62,3 +62,23 @@ def test_admission_order_reads_every_admission_in_order(tmp_path):
         assert abs(sum(quarters) / 4 - float(trace.prompt_tokens.mean())) < 1.0
         past = int(line.split("past the window ")[1].split()[0])
         assert 0 < past <= 2 * 8  # at most a full fleet runs on after the last admission
+
+
+def test_ab_names_a_ratio_made_of_the_windows_work():
+    """ab's note splits a tok/s ratio into the window's work (the bound) and the routing (the
+    share), for rows whose bound is 0.5% or more from BR-0's; none when all are within."""
+    from predictor.abtest import window_note
+
+    def row(policy, throughput, bound, workers=8):
+        return {"policy": policy, "workers": workers, "throughput_tok_s": throughput,
+                "balanced_bound_tok_s": bound}
+
+    rows = [row("br0", 1000.0, 1050.0), row("brh-oracle", 1030.0, 1071.0),
+            row("jsq", 900.0, 1052.0), row("br0", 500.0, 520.0, 4)]
+    note = window_note(rows)
+    assert note is not None
+    assert "brh-oracle at G=8: tok/s +3.00% = its window's work +2.00% x its routing " \
+           f"{1.03 / 1.02 - 1:+.2%}" in note
+    assert "jsq" not in note  # its bound 0.19% from BR-0's
+    assert window_note([row("br0", 1000.0, 1050.0), row("jsq", 900.0, 1052.0)]) is None
+    assert window_note([row("brh-oracle", 1030.0, 1071.0)]) is None  # no BR-0 to compare

@@ -99,6 +99,7 @@ class ProxyConfig:
     reconcile_interval_s: float = 5.0
     prefill_kv_budget: int = 2_000_000
     retries: int = 1
+    start_after: int = 0  # the first routing round waits for this many waiting requests
     step_s: float | None = None  # the fleet's decode step: one routing round per step at most
     guard: GuardRule | None = None  # BR's starvation guard (None: idle for brh, always for br0)
     step_overhead: float | None = None  # b / a of the ranks' step time, KV tokens
@@ -129,6 +130,9 @@ class ProxyConfig:
                                           or not isinstance(self.patience, int)
                                           or self.patience < 0):
             raise ValueError("--patience must be a whole number of rounds >= 0")
+        if isinstance(self.start_after, bool) or not isinstance(self.start_after, int) \
+                or self.start_after < 0:
+            raise ValueError("--start-after must be a whole number of requests >= 0")
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
                 or self.max_body_bytes < MIN_BODY_LIMIT:
             raise ValueError(f"--max-body-bytes must be a whole number >= {MIN_BODY_LIMIT}")
@@ -297,6 +301,7 @@ class Proxy:
                                      self.engines.up,
                                      round_interval_s=config.step_s or 0.01,
                                      min_round_s=config.step_s or 0.0,
+                                     start_after=config.start_after,
                                      alive=self.engines.any_alive,
                                      down_grace_s=config.down_grace_s)
         self.prefills = (EngineSet(config.prefill, self.http, self.metrics, self._wake,

@@ -58,6 +58,8 @@ def _number(parse: Callable[[str], T], ok: Callable[[T], bool], expected: str,
 # NaN fails every comparison; an infinite overhead (a step with no per-token cost) is allowed
 _overhead = _number(float, lambda v: v >= 0, "a number of KV tokens", "must be >= 0 KV tokens")
 _rounds = _number(int, lambda v: v >= 0, "a whole number of rounds", "must be >= 0 rounds")
+_requests = _number(int, lambda v: v >= 0, "a whole number of requests",
+                    "must be >= 0 requests")
 _positive_float = _number(float, lambda v: 0 < v < math.inf, "a number",
                           "must be a finite number > 0")
 _body_bytes = _number(int, lambda v: v >= MIN_BODY_LIMIT, "a whole number of bytes",
@@ -109,6 +111,11 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
                        help="the ranks' decode step in ms: routing rounds at most once per "
                        "step, as the router's step counters assume (default: every event, and "
                        "every 10 ms while requests wait)")
+    proxy.add_argument("--start-after", type=_requests, default=0, metavar="N",
+                       help="for benchmarks: the first routing round waits until N requests "
+                       "wait in the pool (at most 30 s after the first arrives), so that a "
+                       "replay's first wave is routed whole, not as it trickles in (default "
+                       "0: route at once)")
     proxy.add_argument("--connect-timeout", type=_positive_float, default=10.0,
                        help="seconds to open a connection to a rank before it is marked down "
                        "(default 10: a busy host accepts late, a dead one refuses at once)")
@@ -289,6 +296,7 @@ def _proxy_config(args: argparse.Namespace) -> Any:
                        engine_timeout_s=args.engine_timeout,
                        connect_timeout_s=args.connect_timeout,
                        step_s=args.step_ms / 1000 if args.step_ms else None,
+                       start_after=args.start_after,
                        prefill_kv_budget=args.prefill_kv_budget, guard=args.guard,
                        step_overhead=args.step_overhead, patience=args.patience,
                        max_body_bytes=args.max_body_bytes,

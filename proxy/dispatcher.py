@@ -223,8 +223,14 @@ class Dispatcher:
     def __init__(self, client: RouterClient, pending: PendingPool, metrics: ProxyMetrics,
                  policy: RankMaskPolicy, up: list[bool], round_interval_s: float = 0.01,
                  min_round_s: float = 0.0, alive: Callable[[], bool] | None = None,
-                 down_grace_s: float = math.inf) -> None:
+                 down_grace_s: float = math.inf, start_after: int = 0,
+                 start_timeout_s: float = 30.0) -> None:
         self.client = client
+        # the first round waits for this many requests in the pool (or start_timeout_s after
+        # the first): a first wave routed as it trickles in (a few requests a round, a short
+        # pool placed with no choice) starts the fleet unbalanced
+        self.start_after = start_after
+        self.start_timeout_s = start_timeout_s
         self.round_interval_s = round_interval_s
         self.min_round_s = min_round_s
         self._retry: asyncio.TimerHandle | None = None
@@ -246,6 +252,15 @@ class Dispatcher:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         last = -math.inf
+        if self.start_after > 0:
+            await self._wake.wait()
+            deadline = loop.time() + self.start_timeout_s
+            while len(self.client.fleet.pool) < self.start_after and loop.time() < deadline:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), deadline - loop.time())
+                except TimeoutError:
+                    break
         while True:
             await self._wake.wait()
             # At most one round per decode step (the router's step counters, the starvation

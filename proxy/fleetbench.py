@@ -145,7 +145,8 @@ def run_policy(trace: Trace, policy: str, config: FleetBenchConfig, workdir: str
     proxy = ["proxy", "--decode", ranks, "--port", str(port), "--policy", policy,
              "--batch", str(B), "--pool-ttl", "3600", "--engine-timeout", "600",
              "--step-ms", f"{1000 * step_wall_s(trace, config):.3f}",
-             "--step-overhead", repr(b / a if a > 0 else float("inf")), *extra]
+             "--step-overhead", repr(b / a if a > 0 else float("inf")),
+             "--start-after", str(min(G * B + BACKLOG_PER_RANK * G, len(trace))), *extra]
     url = f"http://127.0.0.1:{port}"
     with spawned(emulate, f"http://127.0.0.1:{base}/health",
                  os.path.join(workdir, f"emulate-{policy}.log")), \

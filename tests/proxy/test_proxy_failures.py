@@ -200,6 +200,8 @@ def test_the_proxys_patience_reaches_its_router_and_bad_values_are_refused(capsy
      "--port: must be a port, 1 to 65535"),
     (["proxy", "--decode", "http://127.0.0.1:9", "--batch", "0"], "--batch: must be >= 1"),
     (["proxy", "--decode", "http://127.0.0.1:9", "--pool-max", "0"], "--pool-max: must be >= 1"),
+    (["proxy", "--decode", "http://127.0.0.1:9", "--start-after", "-1"],
+     "--start-after: must be >= 0 requests"),
     (["proxy", "--decode", "http://127.0.0.1:9", "--pool-ttl", "-1"],
      "--pool-ttl: must be a finite number > 0"),
     (["proxy", "--decode", "http://127.0.0.1:9", "--engine-timeout", "0"],
@@ -618,3 +620,24 @@ def test_a_proxy_port_taken_is_one_clear_error_before_it_says_where_it_listens(c
     err = capsys.readouterr().err
     assert f"balanceroute proxy: error: cannot listen on 127.0.0.1:{port}" in err
     assert "balanceroute proxy on http" not in err
+
+
+@pytest.mark.timeout(60)
+def test_start_after_holds_the_first_round_until_the_first_wave_is_in(launcher: Launcher):
+    """With --start-after 3 the proxy routes nothing while two requests wait, then the whole
+    wave once the third comes; later requests are routed at once."""
+    emulator = launcher.emulator(workers=2, batch=4, time_scale=1.0)
+    proxy = launcher.proxy(rank_urls(emulator, 2), extra=("--start-after", "3"))
+
+    async def wave() -> list[str | int]:
+        first = asyncio.ensure_future(_run(proxy.url, 2, 4))
+        await asyncio.to_thread(_wait_for, lambda: proxy_state(proxy)["pool"] == 2,
+                                "two requests in the pool")
+        await asyncio.sleep(0.5)  # rounds would have run by now (every 10 ms while waiting)
+        held = proxy_state(proxy)
+        assert held["pool"] == 2 and held["active"] == 0, held
+        return [*await _run(proxy.url, 1, 4), *await first]
+
+    assert asyncio.run(wave()) == [4, 4, 4]
+    assert asyncio.run(_run(proxy.url, 1, 4)) == [4]  # after the start, no wait
+    assert_quiescent(proxy)

@@ -14,9 +14,9 @@ from run to run and is the harness's, not the router's. For the same reason the 
 routing round waits for the whole first wave, ``G * B + 4 * G`` requests (``proxy
 --start-after``): routed as it trickles in, a few requests a round with no choice among them,
 it started the fleet unbalanced (on Mooncake conversation BR-0 then ran 1-5% below ``ab``).
-Throughput and imbalance are read from the emulator's own step log (emulated time: the step-cost model, not the wall clock, so
-a loaded machine slows the run but does not change the figures), over the steps up to the
-last admission, as ``ab`` counts them. Then ``ab`` replays the same requests in the
+Throughput and imbalance are read from the emulator's own step log (emulated time: the
+step-cost model, not the wall clock, so a loaded machine slows the run but does not change
+the figures), over the steps up to the last admission, as ``ab`` counts them. Then ``ab`` replays the same requests in the
 simulator, and each policy's ratio to BR-0 is compared between the two.
 
 ``brh`` runs the proxy's BR-H against a prediction service: the one ``predictor_url`` names,

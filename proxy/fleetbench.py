@@ -16,8 +16,9 @@ routing round waits for the whole first wave, ``G * B + 4 * G`` requests (``prox
 it started the fleet unbalanced (on Mooncake conversation BR-0 then ran 1-5% below ``ab``).
 Throughput and imbalance are read from the emulator's own step log (emulated time: the
 step-cost model, not the wall clock, so a loaded machine slows the run but does not change
-the figures), over the steps up to the last admission, as ``ab`` counts them. Then ``ab`` replays the same requests in the
-simulator, and each policy's ratio to BR-0 is compared between the two.
+the figures), over the steps up to the last admission, as ``ab`` counts them. Then ``ab``
+replays the same requests in the simulator, and each policy's ratio to BR-0 is compared
+between the two.
 
 ``brh`` runs the proxy's BR-H against a prediction service: the one ``predictor_url`` names,
 else a fresh ``balanceroute serve`` (SQLite in the run's temporary directory) started for the

@@ -20,7 +20,7 @@ from router_client.admission import BalanceRouteParams
 from router_client.errors import UnknownPolicyError
 from router_client.policies import make_policy, policy_specs
 from router_client.predictors import OraclePredictor, Predictor
-from router_client.simulator import SimConfig, SimResult, simulate
+from router_client.simulator import SimConfig, SimResult, bound_share, simulate
 from router_client.traces import Trace
 
 from .estimators import estimator_specs, spec_for_policy
@@ -153,8 +153,7 @@ def run_comparison(
 def _add_ratios(rows: list[dict]) -> None:
     reference = {r["workers"]: r for r in rows if r["policy"] == BASELINE_FOR_RATIOS}
     for row in rows:
-        bound = row["balanced_bound_tok_s"]
-        row["bound_fraction"] = row["throughput_tok_s"] / bound if bound else 0.0
+        row["bound_fraction"] = bound_share(row)
         ref = reference.get(row["workers"])
         if ref is not None and ref["throughput_tok_s"] and ref["imbalance_maxmin_mean"]:
             row["throughput_vs_jsq"] = row["throughput_tok_s"] / ref["throughput_tok_s"]

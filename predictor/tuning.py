@@ -31,7 +31,7 @@ from router_client.admission import TURNOVER, BalanceRouteParams, gamma_value
 from router_client.errors import ParameterError
 from router_client.policies import make_policy
 from router_client.predictors import FinishedBatch
-from router_client.simulator import SimConfig, simulate
+from router_client.simulator import SimConfig, bound_share, simulate
 from router_client.traces import Trace
 
 from .abtest import make_predictor, uncontended_note
@@ -144,15 +144,6 @@ def _replay(trace: Trace, candidate: Candidate, config: SimConfig, base: Balance
     row = simulate(trace, policy, run_config, predictor, progress).row
     return {"setting": candidate.label, **asdict(candidate), "estimator": estimator, **row,
             "bound_share": bound_share(row)}
-
-
-def bound_share(row: dict) -> float:
-    """Throughput over the run's own balanced bound: the routing's share of perfect balance.
-    Unlike throughput it does not move with how much work the routing window held, so a
-    setting cannot win it by leaving heavy requests for after the window (README, "What a
-    throughput ratio is made of")."""
-    bound = row.get("balanced_bound_tok_s") or 0.0
-    return row["throughput_tok_s"] / bound if bound else 0.0
 
 
 def _choose(ranked: list[dict], min_gain: float) -> Candidate:

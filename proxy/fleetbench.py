@@ -48,6 +48,7 @@ import httpx
 import numpy as np
 
 from predictor.livesrv import live_server, stop_process, wait_ready
+from router_client.simulator import bound_share
 from router_client.traces import Trace
 
 from . import POLICIES
@@ -248,12 +249,9 @@ def add_ab_figures(trace: Trace, rows: list[dict[str, Any]],
         row["ab_throughput_tok_s"] = ab["throughput_tok_s"]
         row["ab_imbalance_maxmin_mean"] = ab["imbalance_maxmin_mean"]
         row["ab_balanced_bound_tok_s"] = ab["balanced_bound_tok_s"]
+        row["ab_bound_share"] = bound_share(ab)
         row["ab_ratio"] = ab["throughput_tok_s"] / sim_reference["throughput_tok_s"]
     return reference
-
-
-def _bound_share(throughput: float, bound: float) -> float:
-    return 100 * throughput / bound if bound else 0.0
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
@@ -265,11 +263,11 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['policy']:<{width}} {r['throughput_tok_s']:11.0f} {r['ratio']:7.4f} "
             f"{r['imbalance_maxmin_mean']:8.0f} "
-            f"{_bound_share(r['throughput_tok_s'], r['balanced_bound_tok_s']):7.2f} "
+            f"{100 * bound_share(r):7.2f} "
             f"{r.get('round_pool_mean', 0.0):5.1f} "
             f"{r['ab_throughput_tok_s']:9.0f} {r['ab_ratio']:7.4f} "
             f"{r['ab_imbalance_maxmin_mean']:8.0f} "
-            f"{_bound_share(r['ab_throughput_tok_s'], r['ab_balanced_bound_tok_s']):7.2f} "
+            f"{100 * r['ab_bound_share']:7.2f} "
             f"{100 * r['agreement']:+10.2f}% {r['failed']:6d} {r['wall_s']:6.0f}")
     lines.append("% bound: throughput over the balanced bound of the same steps' work (every "
                  "step at the mean rank's load): the routing's share of perfect balance, which "

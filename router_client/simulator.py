@@ -529,5 +529,15 @@ def _percentile(values: np.ndarray, q: float, scale: float = 1.0) -> float | Non
     return scale * float(np.percentile(values, q)) if values.size else None
 
 
+def bound_share(row: dict) -> float:
+    """A result row's throughput over its own balanced bound (``ab``'s ``of bound``): the
+    routing's share of perfect balance of the same work. Unlike throughput it does not move
+    with how much work the routing window held, so a policy cannot raise it by leaving heavy
+    requests for after the window (README, "What a throughput ratio is made of"). 0 without
+    a bound."""
+    bound = row.get("balanced_bound_tok_s") or 0.0
+    return row["throughput_tok_s"] / bound if bound else 0.0
+
+
 def _mean(weight: np.ndarray, values: np.ndarray, total_weight: float) -> float:
     return float((weight * values).sum() / total_weight) if total_weight else 0.0

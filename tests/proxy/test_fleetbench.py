@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from proxy.fleetbench import FleetBenchConfig, step_log_summary, step_wall_s
+from proxy.fleetbench import FleetBenchConfig, format_rows, step_log_summary, step_wall_s
 from router_client.traces import Trace
 
 
@@ -86,3 +86,14 @@ def test_replayed_prompts_are_distinct_per_request_at_their_exact_length():
     prompts = [tuple(token_ids(64, i)) for i in (0, 1, 29_999, 30_000, 30_001, 123_456)]
     assert len(set(prompts)) == len(prompts) and all(len(p) == 64 for p in prompts)
     assert [len(token_ids(n, 5)) for n in (0, 1, 2, 3)] == [0, 1, 2, 3]
+
+
+def test_the_table_shows_each_sides_share_of_its_bound_and_the_pool():
+    row = {"policy": "brh-oracle", "throughput_tok_s": 2900.0, "balanced_bound_tok_s": 3000.0,
+           "ratio": 1.01, "imbalance_maxmin_mean": 22000.0, "round_pool_mean": 31.8,
+           "ab_throughput_tok_s": 2800.0, "ab_ratio": 1.03, "ab_imbalance_maxmin_mean": 20000.0,
+           "ab_bound_share": 0.9723, "agreement": -0.0156, "failed": 0, "wall_s": 281.0}
+    line = format_rows([row]).splitlines()[1].split()
+    assert line[0] == "brh-oracle"
+    assert line[4:6] == ["96.67", "31.8"]  # 2900 / 3000, the mean pool a round saw
+    assert line[9] == "97.23"  # ab's share

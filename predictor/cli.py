@@ -122,13 +122,14 @@ def _add_stage2_options(ab) -> None:
                     choices=list(STAGE2_ORDERS),
                     help="the order in which Stage 2 takes workers with free slots, BR-0 and "
                     "BR-H: slots (most free slots first, then the widest margin; the paper's) or "
-                    f"margin (the widest margin first); default {BalanceRouteParams.stage2_order}")
+                    "margin (the widest margin first); default: margin for BR-0, slots for BR-H")
     ab.add_argument("--stage2-fill", action=argparse.BooleanOptionalAction,
                     default=BalanceRouteParams.stage2_fill,
                     help="Stage 2 takes, for each worker, the most waiting requests that fit "
                     "under the current maximum together (then the largest total, or BR-H's best "
-                    "F), and the best F only where none fits (BF-IO's subset rule); default "
-                    "--no-stage2-fill: the best F always (the paper's)")
+                    "F), and the best F only where none fits (BF-IO's subset rule); "
+                    "--no-stage2-fill: the best F always (the paper's); default: the rule for "
+                    "BR-0, the paper's for BR-H")
     ab.add_argument("--guard", default=None, choices=list(GUARD_RULES),
                     help="the starvation guard where a worker's best F in Stage 2 is not "
                     "positive: always (admit the single best request anyway; the paper's) or "

@@ -512,16 +512,17 @@ class AbComparisonIn(ReplayIn):
         "(default: largest first onto BR-0's worker if it fits there under the current "
         "maximum, else onto the best F), lpt (largest first onto the best F), lpt-load (as "
         "BR-0), best-pair (the best pair by F)")
-    stage2_order: Stage2Order = Field(
+    stage2_order: Stage2Order | None = Field(
         BalanceRouteParams.stage2_order,
         description="the order in which Stage 2 takes workers with free slots, BR-0 and BR-H: "
-        "slots (most free slots first, then the widest margin; the paper's, the default) or "
-        "margin (the widest margin first)")
-    stage2_fill: bool = Field(
+        "slots (most free slots first, then the widest margin; the paper's) or margin (the "
+        "widest margin first); null (default): margin for BR-0, slots for BR-H")
+    stage2_fill: bool | None = Field(
         BalanceRouteParams.stage2_fill,
         description="Stage 2 takes for each worker the most waiting requests that fit under "
         "the current maximum together, and the best F only where none fits (BF-IO's subset "
-        "rule); false (default): the best F always (the paper's)")
+        "rule); false: the best F always (the paper's); null (default): the rule for BR-0, "
+        "the paper's for BR-H")
     guard: GuardRule | None = Field(
         None,
         description="the starvation guard where a worker's best F in Stage 2 is not "

@@ -24,11 +24,13 @@ Stage 1, while the free slots ``S_tot`` exceed ``s_greedy``, admits one request 
     were the rules before, see the README), and as BR-0 does with a learned predictor's
     law unless ``learned_short_pool``.
 Stage 2, when ``S_tot <= s_greedy``: workers with free slots are taken in order of free slots,
-then margin (most first; ``stage2_order="margin"``: the widest margin first); each takes the
-subset of the first ``r_max`` waiting requests, of size at most its free slots, that maximizes
-F (:mod:`router_client.subset`); with ``stage2_fill=True`` (BF-IO's subset rule, an option)
-the most requests that fit together under the current maximum (then the largest total; BR-H:
-the highest F among them), the F-best subset only where none fits.
+then margin (``stage2_order="slots"``, the paper's, BR-H's default) or by the widest margin
+alone (``"margin"``, BR-0's default since 2026-12-05); each takes the subset of the first
+``r_max`` waiting requests, of size at most its free slots, that maximizes F
+(:mod:`router_client.subset`; ``stage2_fill=False``, the paper's, BR-H's default), or
+(``stage2_fill=True``, BF-IO's subset rule, BR-0's default since 2026-12-05) the most that fit
+together under the current maximum (then the largest total; BR-H: the highest F among them),
+the F-best subset only where none fits.
 Starvation guard: if the best F is not positive, the single best request is admitted anyway
 (``guard="always"``, the paper's, BR-0's default); under ``guard="idle"`` (BR-H's default) the
 worker waits for a later round where no request would lower the imbalance now even counting
@@ -165,14 +167,19 @@ class BalanceRouteParams:
             places the requests that fit first and the large ones last (shortest-first list
             scheduling: it lost to BR-0 below saturation, see the README).
         stage2_order: the order in which Stage 2 takes workers with free slots: ``slots``
-            (default, the paper's) the most free slots first, then the widest margin, then
-            index; ``margin`` the widest margin first (the least-loaded worker chooses first).
+            (the paper's) the most free slots first, then the widest margin, then index;
+            ``margin`` the widest margin first (the least-loaded worker chooses first).
+            ``None`` (default): ``margin`` for BR-0 (since 2026-12-05, with ``stage2_fill``),
+            ``slots`` for BR-H. Rounds that fall back to BR-0 (``gamma`` 0) keep BR-H's.
         stage2_fill: Stage 2 takes, for a worker, the most requests whose total fits under its
             margin now (the largest such total; BR-H: the highest F among them) and the F-best
-            subset only where no request fits (BF-IO's subset rule). ``False`` (default, the
-            paper's): the F-best subset always, which may take one large request that
-            overflows over a small one that fits, or leave a free slot empty. Measured, not
-            adopted (it helps BR-0 more than BR-H; see the README).
+            subset only where no request fits (BF-IO's subset rule). ``False`` (the paper's):
+            the F-best subset always, which may take one large request that overflows over a
+            small one that fits, or leave a free slot empty. ``None`` (default): ``True`` for
+            BR-0 (since 2026-12-05: its share of the balanced bound +0.19% and 0.84x the
+            imbalance over issue 10's saturated cells), ``False`` for BR-H (the rule gains it
+            little and costs it at Azure G = 4; see the README, "BF-IO's subset rule").
+            Rounds that fall back to BR-0 (``gamma`` 0) keep BR-H's.
         guard: the starvation guard in Stage 2, where a worker's best subset scores F <= 0
             (every candidate raises the imbalance more than it fills): ``always`` (the
             paper's) admits the single best request anyway; ``idle`` leaves the worker's
@@ -224,8 +231,8 @@ class BalanceRouteParams:
     expected_overflow: bool = True
     learned_short_pool: bool = False
     short_pool: ShortPoolRule = "lpt-fit"
-    stage2_order: Stage2Order = "slots"
-    stage2_fill: bool = False
+    stage2_order: Stage2Order | None = None
+    stage2_fill: bool | None = None
     fit_horizon: float | None = None
     guard: GuardRule | None = None
     step_overhead: float | None = None
@@ -258,7 +265,7 @@ class BalanceRouteParams:
             raise ParameterError("short_pool", f"must be one of {', '.join(SHORT_POOL_RULES)}")
         if self.fit_horizon is not None and not self.fit_horizon >= 1.0:
             raise ParameterError("fit_horizon", "must be >= 1 step (or None: never)")
-        if self.stage2_order not in STAGE2_ORDERS:
+        if self.stage2_order is not None and self.stage2_order not in STAGE2_ORDERS:
             raise ParameterError("stage2_order", f"must be one of {', '.join(STAGE2_ORDERS)}")
         if self.guard is not None and self.guard not in GUARD_RULES:
             raise ParameterError("guard", f"must be one of {', '.join(GUARD_RULES)}")
@@ -280,9 +287,10 @@ class BalanceRouteParams:
     @classmethod
     def paper(cls, **overrides: object) -> BalanceRouteParams:
         """The paper's BR-H: ``beta = 43`` (its G = 8 deployment point), constant ``D``, the
-        guard that always admits."""
+        guard that always admits, the F-best subset in Stage 2 with workers by free slots."""
         settings: dict[str, object] = {"beta": 43.0, "candidate_life": False,
-                                       "guard": "always"}
+                                       "guard": "always", "stage2_fill": False,
+                                       "stage2_order": "slots"}
         settings.update(overrides)
         return cls(**settings)  # type: ignore[arg-type]
 
@@ -321,6 +329,20 @@ class BalanceRouteParams:
         if self.stage1 == "lpt":
             return "lpt", True
         return AUTO_SHORT_POOL, True
+
+    @property
+    def effective_stage2_fill(self) -> bool:
+        """``stage2_fill``, or when unset ``True`` for BR-0 and ``False`` for BR-H."""
+        if self.stage2_fill is not None:
+            return self.stage2_fill
+        return self.horizon == 0
+
+    @property
+    def effective_stage2_order(self) -> Stage2Order:
+        """``stage2_order``, or when unset ``slots`` for BR-H and ``margin`` for BR-0."""
+        if self.stage2_order is not None:
+            return self.stage2_order
+        return "slots" if self.horizon > 0 else "margin"
 
     @property
     def effective_guard(self) -> GuardRule:
@@ -551,8 +573,11 @@ def route_round(
 @lru_cache(maxsize=64)
 def _as_br0(params: BalanceRouteParams) -> BalanceRouteParams:
     """BR-0's parameters for a BR-H round at gamma 0, keeping BR-H's guard (``idle`` by
-    default: the round is BR-H's, scored as BR-0 scores it)."""
-    return replace(params.as_br0(), guard=params.effective_guard)
+    default) and Stage 2 (the paper's by default): the round is BR-H's, scored as BR-0 scores
+    it."""
+    return replace(params.as_br0(), guard=params.effective_guard,
+                   stage2_order=params.effective_stage2_order,
+                   stage2_fill=params.effective_stage2_fill)
 
 
 def reachable_head(pool: int, params: BalanceRouteParams, workers: int, total_free: int) -> int:
@@ -666,8 +691,8 @@ class _Round:
             return False
         done = fastpath.stage2_br0(loads, self.free, self.sizes, self.waiting,
                                    self.params.effective_r_max(self.fleet.workers),
-                                   self.table.beta, self.params.stage2_order,
-                                   self.params.stage2_fill,
+                                   self.table.beta, self.params.effective_stage2_order,
+                                   self.params.effective_stage2_fill,
                                    "idle" if self._guard_waits() else "always",
                                    self._wait_context())
         self.stats.waited.extend(done.waited)
@@ -761,7 +786,7 @@ class _Round:
         if not self.waiting or self.total_free <= 0:
             return
         free, table = self.free, self.table
-        by_slots = self.params.stage2_order == "slots"
+        by_slots = self.params.effective_stage2_order == "slots"
         heap = [(-int(free[g]) if by_slots else 0, -table.current_margin(g), g)
                 for g in range(self.fleet.workers) if free[g] > 0]
         heapq.heapify(heap)
@@ -828,12 +853,13 @@ class _Round:
 
     def _subset(self, worker: int, candidates: list[int]) -> SubsetChoice | None:
         if self.rows is not None:
-            fit = self.table.current_margin(worker) if self.params.stage2_fill else None
+            fit = (self.table.current_margin(worker) if self.params.effective_stage2_fill
+                   else None)
             return _best_row_subset(self.rows[candidates], int(self.free[worker]),
                                     partial(self.table.score_rows, worker), self.fast, fit)
         return best_subset([int(self.sizes[i]) for i in candidates], int(self.free[worker]),
                            partial(self.table.score, worker), self.table.peak(worker),
-                           fill_slots=self.params.stage2_fill)
+                           fill_slots=self.params.effective_stage2_fill)
 
 
 def _best_row_subset(

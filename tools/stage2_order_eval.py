@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> None:
                                               "requests": len(trace)}
                     policies = [("ltl", make_policy("ltl", seed))] + [
                         (order, make_policy("br0", seed, BalanceRouteParams.br0(
-                            stage2_order=order))) for order in STAGE2_ORDERS]
+                            stage2_order=order, stage2_fill=False))) for order in STAGE2_ORDERS]
                     if args.fill:
                         policies += [(f"fill-{order}" if order != "slots" else "fill",
                                       make_policy("br0", seed, BalanceRouteParams.br0(
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> None:
                     if args.guard:
                         policies += [
                             ("idle", make_policy("br0", seed, BalanceRouteParams.br0(
-                                guard="idle"))),
+                                guard="idle", stage2_order="slots", stage2_fill=False))),
                             ("fill-margin-idle", make_policy("br0", seed, BalanceRouteParams.br0(
                                 stage2_fill=True, stage2_order="margin", guard="idle")))]
                     for label, policy in policies:

@@ -180,11 +180,15 @@ def test_a_filling_fleet_is_routed_as_br0_where_arrivals_come_every_step():
         pool = random_pool(rng, int(rng.integers(1, 8)))
         brh, stats = route_round(fleet, pool, BalanceRouteParams(horizon=10))
         assert stats.extra["gamma"] == 0.0
-        # BR-0's stages with BR-H's guard ("idle" by default, as an explicit "idle")
-        assert brh == route_round(fleet, pool, BalanceRouteParams.br0(guard="idle"))[0]
+        # BR-0's stages with BR-H's guard ("idle" by default, as an explicit "idle") and
+        # Stage 2 (the paper's by default; BR-0's own default is BF-IO's subset rule with the
+        # widest margin first)
+        assert brh == route_round(fleet, pool, BalanceRouteParams.br0(
+            guard="idle", stage2_order="slots", stage2_fill=False))[0]
         assert brh == route_round(fleet, pool, BalanceRouteParams(guard="idle"))[0]
         always, _ = route_round(fleet, pool, BalanceRouteParams(guard="always"))
-        assert always == route_round(fleet, pool, BalanceRouteParams.br0())[0]
+        assert always == route_round(fleet, pool, BalanceRouteParams.br0(
+            stage2_order="slots", stage2_fill=False))[0]
         _, before = route_round(fleet, pool, BalanceRouteParams(horizon=10,
                                                                 turnover_arrivals=False))
         assert before.extra["gamma"] == pytest.approx(0.9)
@@ -218,11 +222,15 @@ def test_a_round_with_gamma_0_is_routed_as_br0():
         pool = random_pool(rng, int(rng.integers(1, 12)))  # short pools and saturated ones
         brh, stats = route_round(fleet, pool, BalanceRouteParams())
         assert stats.extra["gamma"] == 0.0
-        # BR-0's stages with BR-H's guard ("idle" by default, as an explicit "idle")
-        assert brh == route_round(fleet, pool, BalanceRouteParams.br0(guard="idle"))[0]
+        # BR-0's stages with BR-H's guard ("idle" by default, as an explicit "idle") and
+        # Stage 2 (the paper's by default; BR-0's own default is BF-IO's subset rule with the
+        # widest margin first)
+        assert brh == route_round(fleet, pool, BalanceRouteParams.br0(
+            guard="idle", stage2_order="slots", stage2_fill=False))[0]
         assert brh == route_round(fleet, pool, BalanceRouteParams(guard="idle"))[0]
         always, _ = route_round(fleet, pool, BalanceRouteParams(guard="always"))
-        assert always == route_round(fleet, pool, BalanceRouteParams.br0())[0]
+        assert always == route_round(fleet, pool, BalanceRouteParams.br0(
+            stage2_order="slots", stage2_fill=False))[0]
         paper, paper_stats = route_round(fleet, pool, BalanceRouteParams.paper(gamma=None))
         assert paper_stats.extra["gamma"] == 0.0
 
@@ -688,6 +696,33 @@ def test_the_guard_defaults_to_idle_for_brh_and_always_for_br0():
     assert BalanceRouteParams().as_br0().effective_guard == "always"  # BR-H's fallback
     assert BalanceRouteParams(guard="idle").as_br0().effective_guard == "idle"
     assert BalanceRouteParams.br0(guard="idle").effective_guard == "idle"
+
+
+def test_stage2_defaults_differ_by_policy():
+    """Unset, BR-0 takes BF-IO's subset rule with the widest margin first and BR-H the
+    paper's Stage 2 (the F-best subset, workers by free slots): each default round equals the
+    round with those settings given, and differs from the other settings' somewhere."""
+    assert (BalanceRouteParams.br0().effective_stage2_fill,
+            BalanceRouteParams.br0().effective_stage2_order) == (True, "margin")
+    assert (BalanceRouteParams().effective_stage2_fill,
+            BalanceRouteParams().effective_stage2_order) == (False, "slots")
+    assert BalanceRouteParams.br0(stage2_fill=False).effective_stage2_fill is False
+    assert BalanceRouteParams(stage2_order="margin").effective_stage2_order == "margin"
+    rng = np.random.default_rng(21)
+    differs = {0: False, 80: False}
+    for _ in range(60):
+        fleet = random_fleet(rng, 4, 8)
+        pool = random_pool(rng, int(rng.integers(1, 12)))
+        for horizon, mine, other in (
+                (0, dict(stage2_fill=True, stage2_order="margin"),
+                 dict(stage2_fill=False, stage2_order="slots")),
+                (80, dict(stage2_fill=False, stage2_order="slots"),
+                 dict(stage2_fill=True, stage2_order="margin"))):
+            make = BalanceRouteParams.br0 if horizon == 0 else BalanceRouteParams
+            default = route_round(fleet, pool, make())[0]
+            assert default == route_round(fleet, pool, make(**mine))[0]
+            differs[horizon] |= default != route_round(fleet, pool, make(**other))[0]
+    assert all(differs.values())
 
 
 @pytest.mark.parametrize("horizon", [0, 80])

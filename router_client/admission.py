@@ -779,8 +779,8 @@ class _Round:
         return int(open_workers[order[0]])
 
     def stage2(self) -> None:
-        """Workers with free slots in ``params.stage2_order`` (``slots``: most free slots,
-        then the widest margin, then index; ``margin``: the widest margin, then index), each
+        """Workers with free slots in ``params.effective_stage2_order`` (``slots``: most free
+        slots, then the widest margin, then index; ``margin``: the widest margin, then index), each
         the best subset of the first ``r_max`` waiting requests, or the starvation guard's
         single request where no subset scores above 0."""
         if not self.waiting or self.total_free <= 0:

@@ -96,7 +96,8 @@ def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
                                   stage2_order=request["stage2_order"],
                                   stage2_fill=request["stage2_fill"],
                                   guard=request.get("guard"),
-                                  patience=request.get("patience")))
+                                  patience=request.get("patience"),
+                                  zero_gamma_rules=request.get("zero_gamma_rules", "br0")))
     return comparison.rows
 
 

@@ -19,6 +19,7 @@ from router_client.admission import (
     SHORT_POOL_RULES,
     STAGE1_RULES,
     STAGE2_ORDERS,
+    ZERO_GAMMA_RULES,
     BalanceRouteParams,
 )
 from router_client.errors import BalanceRouteError, ParameterError
@@ -141,6 +142,11 @@ def _add_stage2_options(ab) -> None:
                     help="with the guard idle, a worker that has left its free slots empty "
                     "this many rounds in a row takes its best request in the next (0: never "
                     "waits; default: no bound; measured, see the README)")
+    ab.add_argument("--zero-gamma-rules", default=BalanceRouteParams.zero_gamma_rules,
+                    choices=list(ZERO_GAMMA_RULES),
+                    help="a BR-H round whose discount is 0 (nothing the lookahead sees "
+                    "outlives it) is BR-0's round: br0 (default) with BR-0's guard and Stage 2 "
+                    "too, brh with BR-H's (the rule before 2026-12-05)")
 
 
 def _add_ab(sub) -> None:
@@ -381,7 +387,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   stage2_order=args.stage2_order,
                                   stage2_fill=args.stage2_fill,
                                   fit_horizon=args.fit_horizon, guard=args.guard,
-                                  patience=args.patience),
+                                  patience=args.patience,
+                                  zero_gamma_rules=args.zero_gamma_rules),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

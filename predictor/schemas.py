@@ -32,6 +32,7 @@ from router_client.admission import (
     ShortPoolRule,
     Stage1Rule,
     Stage2Order,
+    ZeroGammaRules,
 )
 from router_client.errors import ParameterError
 from router_client.simulator import (
@@ -534,6 +535,11 @@ class AbComparisonIn(ReplayIn):
         description="with the guard idle, a worker that has left its free slots empty this "
         "many rounds in a row takes its best request in the next (0: never waits; null, the "
         "default: no bound)")
+    zero_gamma_rules: ZeroGammaRules = Field(
+        BalanceRouteParams.zero_gamma_rules,
+        description="a BR-H round whose discount is 0 (nothing the lookahead sees outlives "
+        "it) is BR-0's round: br0 (default) with BR-0's guard and Stage 2 too, brh with "
+        "BR-H's (the rule before 2026-12-05)")
     source: Literal["observations"] | None = Field(
         None, description="replay the service's own stored observations")
     trace: TraceIn | None = None

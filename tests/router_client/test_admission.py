@@ -172,6 +172,22 @@ def test_turnover_gamma_of_a_fleet_filling_up():
     assert turnover_gamma(ending, 10, pool=1) == pytest.approx(0.5)
 
 
+def assert_zero_gamma_round_is_br0s(fleet: FleetView, pool: list, brh: list) -> None:
+    """A default BR-H round at gamma 0 is exactly default BR-0's (its guard and Stage 2
+    too); set explicitly, BR-H's own rules are kept; ``zero_gamma_rules="brh"`` keeps BR-H's
+    guard (``idle``) and Stage 2 (the paper's), the rule before 2026-12-05."""
+    assert brh == route_round(fleet, pool, BalanceRouteParams.br0())[0]
+    assert route_round(fleet, pool, BalanceRouteParams(guard="idle"))[0] == route_round(
+        fleet, pool, BalanceRouteParams.br0(guard="idle"))[0]
+    assert route_round(fleet, pool, BalanceRouteParams(zero_gamma_rules="brh"))[0] == (
+        route_round(fleet, pool, BalanceRouteParams.br0(
+            guard="idle", stage2_order="slots", stage2_fill=False))[0])
+    always, _ = route_round(fleet, pool, BalanceRouteParams(guard="always",
+                                                            zero_gamma_rules="brh"))
+    assert always == route_round(fleet, pool, BalanceRouteParams.br0(
+        stage2_order="slots", stage2_fill=False))[0]
+
+
 def test_a_filling_fleet_is_routed_as_br0_where_arrivals_come_every_step():
     """BR-H's round reads the arrival rate only under ``turnover_arrivals`` (default)."""
     rng = np.random.default_rng(12)
@@ -180,15 +196,7 @@ def test_a_filling_fleet_is_routed_as_br0_where_arrivals_come_every_step():
         pool = random_pool(rng, int(rng.integers(1, 8)))
         brh, stats = route_round(fleet, pool, BalanceRouteParams(horizon=10))
         assert stats.extra["gamma"] == 0.0
-        # BR-0's stages with BR-H's guard ("idle" by default, as an explicit "idle") and
-        # Stage 2 (the paper's by default; BR-0's own default is BF-IO's subset rule with the
-        # widest margin first)
-        assert brh == route_round(fleet, pool, BalanceRouteParams.br0(
-            guard="idle", stage2_order="slots", stage2_fill=False))[0]
-        assert brh == route_round(fleet, pool, BalanceRouteParams(guard="idle"))[0]
-        always, _ = route_round(fleet, pool, BalanceRouteParams(guard="always"))
-        assert always == route_round(fleet, pool, BalanceRouteParams.br0(
-            stage2_order="slots", stage2_fill=False))[0]
+        assert_zero_gamma_round_is_br0s(fleet, pool, brh)
         _, before = route_round(fleet, pool, BalanceRouteParams(horizon=10,
                                                                 turnover_arrivals=False))
         assert before.extra["gamma"] == pytest.approx(0.9)
@@ -210,7 +218,7 @@ def test_arrival_rate_is_the_mean_of_the_steps_seen_weighted_toward_recent():
 
 def test_a_round_with_gamma_0_is_routed_as_br0():
     """Where the next admission to a worker comes within a step (gamma 0), BR-H routes the
-    round exactly as BR-0 with BR-H's guard (Stage-1 rule included: a short pool goes
+    round exactly as BR-0 (Stage-1 rule, guard and Stage 2 included: a short pool goes
     largest first), and reports gamma 0; with the paper's beta (not alpha G) it keeps its
     own score."""
     rng = np.random.default_rng(11)
@@ -222,15 +230,7 @@ def test_a_round_with_gamma_0_is_routed_as_br0():
         pool = random_pool(rng, int(rng.integers(1, 12)))  # short pools and saturated ones
         brh, stats = route_round(fleet, pool, BalanceRouteParams())
         assert stats.extra["gamma"] == 0.0
-        # BR-0's stages with BR-H's guard ("idle" by default, as an explicit "idle") and
-        # Stage 2 (the paper's by default; BR-0's own default is BF-IO's subset rule with the
-        # widest margin first)
-        assert brh == route_round(fleet, pool, BalanceRouteParams.br0(
-            guard="idle", stage2_order="slots", stage2_fill=False))[0]
-        assert brh == route_round(fleet, pool, BalanceRouteParams(guard="idle"))[0]
-        always, _ = route_round(fleet, pool, BalanceRouteParams(guard="always"))
-        assert always == route_round(fleet, pool, BalanceRouteParams.br0(
-            stage2_order="slots", stage2_fill=False))[0]
+        assert_zero_gamma_round_is_br0s(fleet, pool, brh)
         paper, paper_stats = route_round(fleet, pool, BalanceRouteParams.paper(gamma=None))
         assert paper_stats.extra["gamma"] == 0.0
 
@@ -248,7 +248,7 @@ def test_turnover_discount_is_used_and_reported():
 @pytest.mark.parametrize("field, value", [("gamma", 0.0), ("gamma", 1.5), ("r_max", 0),
                                           ("turnover_scale", 0.0),
                                           ("horizon", -1), ("stage1", "nope"), ("alpha", 0.0),
-                                          ("guard", "never")])
+                                          ("guard", "never"), ("zero_gamma_rules", "x")])
 def test_params_validation_names_the_field(field, value):
     with pytest.raises(ParameterError, match=field):
         BalanceRouteParams(**{field: value})

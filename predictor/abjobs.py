@@ -97,7 +97,8 @@ def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
                                   stage2_fill=request["stage2_fill"],
                                   guard=request.get("guard"),
                                   patience=request.get("patience"),
-                                  zero_gamma_rules=request.get("zero_gamma_rules", "br0")))
+                                  zero_gamma_rules=request.get(
+                                      "zero_gamma_rules", BalanceRouteParams.zero_gamma_rules)))
     return comparison.rows
 
 

@@ -73,9 +73,9 @@ SHORT_POOL_RULES: tuple[str, ...] = get_args(ShortPoolRule)
 Stage2Order = Literal["slots", "margin"]
 STAGE2_ORDERS: tuple[str, ...] = get_args(Stage2Order)
 GuardRule = Literal["always", "idle"]
+GUARD_RULES: tuple[str, ...] = get_args(GuardRule)
 ZeroGammaRules = Literal["br0", "brh"]
 ZERO_GAMMA_RULES: tuple[str, ...] = get_args(ZeroGammaRules)
-GUARD_RULES: tuple[str, ...] = get_args(GuardRule)
 # The decode step's fixed cost in KV tokens, b / a of T = a max L + b, where neither the
 # parameters nor the fleet view give it: the simulator's default step cost's (0.010 s over
 # 1.5e-7 s per token, 66,667 tokens).

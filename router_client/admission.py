@@ -571,6 +571,7 @@ def route_round(
                 # alpha G is BR-0's score (scaled by alpha). The round is BR-0's, Stage-1 rule
                 # included. (Another beta, the paper's 43, keeps its own score at gamma 0.)
                 params = _as_br0(params)
+                stats.extra["as_br0"] = True
     fast = FAST_PATH if reference is None else not reference
     head = reachable_head(len(pool), params, fleet.workers, total_free) if fast else len(pool)
     state = _Round(fleet, pool, params, free, stats, head, fast, gamma, waited)

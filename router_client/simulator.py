@@ -257,6 +257,7 @@ class MetricsCollector:
         # where they put it; a fleet that never filled tells BR settings nothing apart)
         self.contended_steps = 0
         self.gammas: list[float] = []  # BR-H's discount per round (turnover: it varies)
+        self.as_br0_rounds = 0  # BR-H's rounds at gamma 0, routed as BR-0's
         self.fallback_rounds: list[int] = []
         self.last_admission_step = -1
         self.completed = 0
@@ -304,6 +305,11 @@ class MetricsCollector:
             "contended_steps": self.contended_steps,
             "fallback_steps": len(self.fallback_rounds),
             "gamma_mean": float(np.mean(self.gammas)) if self.gammas else None,
+            # BR-H's rounds with predictions, and those of them at gamma 0 that BR-H routed
+            # as BR-0 (scored as BR-0; its guard and Stage 2 too under ``zero_gamma_rules``
+            # "br0"): how often the lookahead had a say
+            "lookahead_rounds": len(self.gammas),
+            "gamma_zero_rounds": self.as_br0_rounds,
             "drain_steps": drain, "makespan_s": clock, "routing_steps": int(steps_in_window),
             # every output token over the whole run, drain included: the same work for every
             # policy, so its ratio is not moved by which requests a policy left for the drain
@@ -436,6 +442,7 @@ class Simulation:
         stats = decision.stats
         if "gamma" in stats.extra:
             self.metrics.gammas.append(stats.extra["gamma"])
+        self.metrics.as_br0_rounds += int(stats.extra.get("as_br0", False))
         self.metrics.guard_waits += len(stats.waited)
         self.metrics.patience_admissions += stats.patience_admissions
         if not decision.assignments:

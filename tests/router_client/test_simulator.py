@@ -210,3 +210,26 @@ def test_contended_steps_count_the_steps_where_requests_waited_beyond_the_free_s
     config = SimConfig(workers=2, batch=1, load=1.0, step_cost=(1.0, 0.5))
     row = simulate(trace, make_policy("ltl"), config).row
     assert row["contended_steps"] == 2
+
+
+def test_rounds_at_gamma_0_are_counted_and_routed_as_br0():
+    """`gamma_zero_rounds` counts BR-H's rounds whose turnover discount came out 0: with
+    one-token outputs at backlog every slot turns over each step, every round is one, and the
+    whole run is BR-0's to the last field; with long outputs none is; BR-0 has no lookahead
+    rounds at all."""
+    config = SimConfig(workers=4, batch=8, load="backlog")
+    short = synthesize("synth:long:n=400,output_mean=1,output_sigma=0.01")
+    br0 = simulate(short, make_policy("br0"), config).row
+    brh = simulate(short, make_policy("brh-oracle"), config,
+                   OraclePredictor(short.output_tokens)).row
+    assert br0["lookahead_rounds"] == br0["gamma_zero_rounds"] == 0
+    assert brh["gamma_zero_rounds"] == brh["lookahead_rounds"] > 0
+    assert brh["gamma_mean"] == 0.0
+    ignored = {"policy", "sim_wall_s", "gamma_mean", "lookahead_rounds", "gamma_zero_rounds"}
+    assert {k: v for k, v in brh.items() if k not in ignored} == \
+        {k: v for k, v in br0.items() if k not in ignored}
+    long = synthesize("synth:long:n=400")
+    brh = simulate(long, make_policy("brh-oracle"), config,
+                   OraclePredictor(long.output_tokens)).row
+    assert brh["lookahead_rounds"] > 0 and brh["gamma_zero_rounds"] <= 1
+    assert brh["gamma_mean"] > 0.5

@@ -14,9 +14,11 @@ replicated:
     Poisson arrivals seeded by k);
   - synth:long and synth:templated: the trace of N requests synthesized with ``seed=k``
     (``--requests N``; the draws depend on N, so it is not the first N of a larger one).
-``table`` reports per cell and policy the mean and range over replicates of the imbalance and
-throughput ratios to BR-0 in the same run, and the share of the BR-0-to-oracle imbalance gap
-closed. One JSON line per run is appended as it finishes; ``run`` skips runs already there.
+``table`` (one or more ``--json`` files, pooled) reports per cell and policy the mean and
+range over replicates of the imbalance and throughput ratios to BR-0 in the same run, and the
+share of the BR-0-to-oracle imbalance gap closed: the mean of each replicate's share, and the
+ratio of the mean imbalance ratios, ``(1 - mean I/I_br0) / (1 - mean I_oracle/I_br0)`` with its
+standard error (a replicate whose own gap is small does not blow that one up). One JSON line per run is appended as it finishes; ``run`` skips runs already there.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def ratios(rows: list[dict]) -> dict[str, tuple[float, float, float]]:
 
 def table(args: argparse.Namespace) -> None:
     cells: dict[str, list[dict]] = defaultdict(list)
-    for line in args.json.read_text().splitlines():
+    lines = [line for path in args.json for line in path.read_text().splitlines()]
+    for line in lines:
         row = json.loads(line)
         by_workers: dict[int, list[dict]] = defaultdict(list)
         for r in row["rows"]:
@@ -108,11 +111,18 @@ def table(args: argparse.Namespace) -> None:
             cell = row["cell"] if len(by_workers) == 1 else f"{row['cell']}:G{workers}"
             cells[cell].append(ratios(rows))
     print("| cell | n | policy | imbalance x BR-0 (min..max) | throughput x BR-0 (min..max) "
-          "| gap closed (min..max) |")
-    print("|---|---:|---|---|---|---|")
+          "| gap closed (min..max) | gap closed, ratio of means (+- s.e.) |")
+    print("|---|---:|---|---|---|---|---|")
     for cell, runs in cells.items():
+        oracle_mean = float(np.mean([r["brh-oracle"][0] for r in runs]))
         for policy in runs[0]:
             a = np.array([r[policy] for r in runs])
+            # the mean imbalance ratio's distance from BR-0 over the oracle's: a replicate
+            # whose own gap is small cannot blow it up, as it does the mean of the shares
+            pooled = "n/a (oracle not below BR-0)" if oracle_mean >= 1.0 else (
+                f"{(1.0 - a[:, 0].mean()) / (1.0 - oracle_mean):.2f}"
+                + (f" (+- {a[:, 0].std(ddof=1) / np.sqrt(len(runs)) / (1.0 - oracle_mean):.2f})"
+                   if len(runs) > 1 and policy != "brh-oracle" else ""))
             gaps = a[:, 2][~np.isnan(a[:, 2])]
             # a replicate where the oracle is not below BR-0 has no gap to close: left out,
             # and the count says how many replicates the figure rests on
@@ -122,13 +132,14 @@ def table(args: argparse.Namespace) -> None:
                       f"{gaps.mean():.2f} ({gaps.min():.2f}..{gaps.max():.2f}{part})")
             print(f"| {cell} | {len(runs)} | {policy} | {a[:, 0].mean():.3f} "
                   f"({a[:, 0].min():.3f}..{a[:, 0].max():.3f}) | {a[:, 1].mean():.4f} "
-                  f"({a[:, 1].min():.4f}..{a[:, 1].max():.4f}) | {closed} |")
+                  f"({a[:, 1].min():.4f}..{a[:, 1].max():.4f}) | {closed} | {pooled} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=["run", "table"])
-    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--json", type=Path, nargs="+", required=True,
+                    help="run: the file to append to (one); table: one or more, pooled")
     ap.add_argument("--cells", type=lambda s: s.split(","), default=CELLS)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=10000)
@@ -137,7 +148,13 @@ def main() -> None:
     ap.add_argument("--ab-args", type=lambda s: s.split(), default=[],
                     help="more `balanceroute ab` arguments, e.g. '--stage1 lpt'")
     args = ap.parse_args()
-    run(args) if args.mode == "run" else table(args)
+    if args.mode == "run":
+        if len(args.json) != 1:
+            ap.error("run appends to one --json file")
+        args.json = args.json[0]
+        run(args)
+    else:
+        table(args)
 
 
 if __name__ == "__main__":

@@ -72,4 +72,33 @@ def test_gap_closed_says_how_many_replicates_it_rests_on(tmp_path):
                            capture_output=True, text=True, cwd=ROOT).stdout
     x = next(line for line in table.splitlines() if "| brh-x |" in line)
     assert x.split(" | ")[1] == "2"
-    assert x.rstrip(" |").endswith("0.50 (0.50..0.50; 1 of 2)")  # (10 - 8) / (10 - 6)
+    closed, pooled = [c.strip() for c in x.rstrip(" |").split(" | ")[-2:]]
+    assert closed == "0.50 (0.50..0.50; 1 of 2)"  # (10 - 8) / (10 - 6)
+    # ratio of means: (1 - mean(0.8, 0.9)) / (1 - mean(0.6, 1.1)), standard error of the
+    # mean of 0.8 and 0.9 (0.05) over the same 0.15
+    assert pooled == "1.00 (+- 0.33)"
+
+
+def test_table_pools_files_and_the_ratio_of_means_resists_a_small_gap(tmp_path):
+    """Several --json files are one pool of replicates. A replicate whose own gap is tiny
+    makes the mean of the per-replicate shares swing; the ratio of the mean imbalance ratios
+    does not divide by it."""
+    def line(seed, x, oracle):
+        return json.dumps({"cell": "mooncake:backlog", "seed": seed, "rows": [
+            {"policy": p, "workers": 8, "imbalance_maxmin_mean": i, "throughput_tok_s": 100.0}
+            for p, i in (("br0", 100.0), ("brh-x", x), ("brh-oracle", oracle))]}) + "\n"
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(line(1, 90.0, 80.0) + line(2, 90.0, 80.0))
+    b.write_text(line(1, 101.0, 99.0))  # gap 1: this replicate's share is -1
+    table = subprocess.run([*TOOL, "table", "--json", str(a), str(b)], check=True,
+                           capture_output=True, text=True, cwd=ROOT).stdout
+    x = next(row for row in table.splitlines() if "| brh-x |" in row)
+    cells = [c.strip() for c in x.strip(" |").split(" | ")]
+    assert cells[1] == "3"
+    assert cells[-2].startswith("0.00 (-1.00..0.50")  # (0.5 + 0.5 - 1) / 3
+    # (1 - mean(0.9, 0.9, 1.01)) / (1 - mean(0.8, 0.8, 0.99)) = 0.0633 / 0.1367
+    assert cells[-1].startswith("0.46 (+- ")
+    run = subprocess.run([*TOOL, "run", "--json", str(a), str(b)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert run.returncode != 0 and "one --json" in run.stderr

@@ -72,3 +72,38 @@ def test_families_share_br0_and_the_table_flags_what_misses(tmp_path):
     for cell, r in zip(cells, rows, strict=True):
         assert cell.startswith(f"{r['throughput_ratio']:.4f}, {r['imbalance_ratio']:.3f}")
         assert ("**T**" in cell) == (r["throughput_ratio"] < 0.999)
+
+
+def test_table_measures_throughput_three_ways(tmp_path):
+    """--measure picks the ratio the T flag judges: tok/s over the routing window, the share
+    of each run's own balanced bound, or the whole run; a row without the fields a measure
+    needs is an error naming its line."""
+    def row(seed, tok, bound, run):
+        return {"variant": "v", "trace": "t", "load": "1.5", "workers": 8, "seed": seed,
+                "throughput_ratio": tok / 100.0, "imbalance_ratio": 0.9,
+                "br0": {"throughput_tok_s": 100.0, "balanced_bound_tok_s": 101.0,
+                        "run_throughput_tok_s": 50.0},
+                "oracle": {"throughput_tok_s": tok, "balanced_bound_tok_s": bound,
+                           "run_throughput_tok_s": run}}
+
+    out = tmp_path / "rows.jsonl"
+    # a window that held heavier work: 1.5% fewer tokens a second, a bound 1.6% lower
+    out.write_text(json.dumps(row(0, 98.5, 99.4, 50.4)) + "\n"
+                   + json.dumps(row(1, 98.7, 99.6, 50.2)) + "\n")
+
+    def cell(measure):
+        table = subprocess.run([*TOOL, "table", "--json", str(out), "--measure", measure],
+                               check=True, capture_output=True, text=True, cwd=ROOT).stdout
+        return next(x for x in table.splitlines() if x.startswith("| t |")).split(" | ")[3]
+
+    assert cell("tok/s").startswith("0.9860, 0.900 **T")
+    share = np.mean([(98.5 / 99.4) / (100 / 101), (98.7 / 99.6) / (100 / 101)])
+    assert cell("share").startswith(f"{share:.4f}, 0.900") and share > 0.999
+    assert "T" not in cell("share")
+    assert cell("run").startswith(f"{np.mean([50.4 / 50, 50.2 / 50]):.4f}")
+    bare = dict(row(0, 98.5, 99.4, 50.4))
+    del bare["oracle"]["run_throughput_tok_s"]
+    out.write_text(json.dumps(bare) + "\n")
+    failed = subprocess.run([*TOOL, "table", "--json", str(out), "--measure", "run"],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert failed.returncode != 0 and f"{out}:1" in failed.stderr

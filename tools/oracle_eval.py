@@ -26,7 +26,9 @@ row as ``br0_fields``.
 One JSON line per (variant, cell, G) is appended as it finishes (to a new file, or one the
 same command has not filled yet: ``table`` counts every line).
 
-``table`` prints per cell the mean throughput ratio over replicates and the geometric mean
+``table`` prints per cell the mean throughput ratio over replicates (``--measure``: ``tok/s``
+over the routing window, the default; ``share`` of each run's balanced bound; ``run``, the
+whole run) and the geometric mean
 of the max-min imbalance ratio, flagged where issue 10's must-holds miss (T: throughput <
 0.999; I: imbalance above BR-0's at saturation, load 1.0 and above or backlog; L: above 0.8x
 on synth:long and ShareGPT there), and per variant the summary.
@@ -164,13 +166,35 @@ def cmd_families(args: argparse.Namespace) -> None:
              {"trace": f"long-o{om}-p{pm}", "requests": len(trace)})
 
 
+MEASURES = ("tok/s", "share", "run")
+
+
+def throughput_ratio(row: dict, measure: str, where: str) -> float:
+    """BR-H's throughput over BR-0's in one row, by ``measure``: ``tok/s`` over the routing
+    window (``throughput_ratio``, issue 10's figure), ``share`` of each run's own balanced
+    bound (the routing, without the work the window held) or ``run``: every token of the run,
+    drain included."""
+    if measure == "tok/s":
+        return float(row["throughput_ratio"])
+    b, o = row.get("br0", {}), row.get("oracle", {})
+    keys = (("throughput_tok_s", "balanced_bound_tok_s") if measure == "share"
+            else ("run_throughput_tok_s",))
+    if not all(k in b and k in o for k in keys):
+        raise SystemExit(f"{where}: the row does not keep {' and '.join(keys)} for --measure "
+                         f"{measure}")
+    if measure == "share":
+        return ((o["throughput_tok_s"] / o["balanced_bound_tok_s"])
+                / (b["throughput_tok_s"] / b["balanced_bound_tok_s"]))
+    return float(o["run_throughput_tok_s"] / b["run_throughput_tok_s"])
+
+
 def cmd_table(args: argparse.Namespace) -> None:
     cells: dict[str, dict[tuple, list[tuple[float, float]]]] = defaultdict(
         lambda: defaultdict(list))
-    for line in args.json.read_text().splitlines():
+    for number, line in enumerate(args.json.read_text().splitlines(), 1):
         r = json.loads(line)
         cells[r["variant"]][(r["trace"], r["load"], r["workers"])].append(
-            (r["throughput_ratio"], r["imbalance_ratio"]))
+            (throughput_ratio(r, args.measure, f"{args.json}:{number}"), r["imbalance_ratio"]))
     names = list(cells)
     keys = sorted({k for v in cells.values() for k in v})
     print("| trace | load | G | " + " | ".join(names) + " |")
@@ -229,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     sub.choices["families"].add_argument("--prompt-means", type=ints, default=[1000, 6000])
     t = sub.add_parser("table")
     t.add_argument("--json", type=Path, required=True)
+    t.add_argument("--measure", choices=MEASURES, default="tok/s",
+                   help="the throughput ratio T flags: tok/s over the routing window "
+                        "(default), share of the run's balanced bound, or the whole run")
     args = ap.parse_args(argv)
     if args.command != "table" and not args.variant:
         args.variant = ["default="]

@@ -3,10 +3,12 @@
 Output lengths are cut into log-spaced bins (``bins_per_octave`` per doubling: 0, 1, 2, 3, 4,
 5, 6, 8, 10, 12, 16, ...). Each finished request becomes one row per bin it reached (the
 person-period expansion): target 1 in the bin it ended in, 0 in the bins it survived. A
-censored request (cut, cancelled, failed) contributes only the bins it survived entirely, so
-right-censoring is handled as Kaplan-Meier handles it, and an unfinished length is never
-taken for an end. A :class:`~sklearn.ensemble.HistGradientBoostingClassifier` (log loss)
-learns the bin hazard ``q_b(x) = P(end in bin b | reached b, x)`` from
+censored request (cut, cancelled, failed, or still running: see ``observe_running``)
+contributes the bins it survived entirely and the one it is in, weighted by the share of that
+bin's tokens it lived through (:func:`person_period`), so right-censoring is handled as
+Kaplan-Meier handles it, and an unfinished length is never taken for an end. A
+:class:`~sklearn.ensemble.HistGradientBoostingClassifier` (log loss) learns the bin hazard
+``q_b(x) = P(end in bin b | reached b, x)`` from
 
 - the bin (log of its first token),
 - ``log1p(prompt_tokens)`` (-1 when unknown, below every known value: trees split it off),
@@ -43,7 +45,9 @@ the last fit, capped at ``refit_every`` (fits at 250, 500, 1000, 2000, then ever
 booster has no early stopping and a fixed seed, so a replay (the simulator, a restarted service
 rebuilding from its database batch by batch) fits the same models. Before the first fit the
 window's Kaplan-Meier curve (:class:`~predictor.estimators.survival.SurvivalEstimator`)
-answers. A fit costs about a second on 5000 observations; it runs in ``partial_fit``.
+answers. Each fit also takes the requests running at the latest query as censored rows
+(:meth:`HazardEstimator.observe_running`), as Survival's curve does. A fit costs about a
+second on 5000 observations; it runs in ``partial_fit``.
 
 Prediction is cheap: curves are computed per distinct (quantized prompt length, key
 statistics) group and cached until the next fit, so a refresh of 1,024 requests mostly reads
@@ -85,19 +89,29 @@ def bin_edges(per_octave: int, top: int = MAX_TOKENS) -> np.ndarray:
 
 
 def person_period(durations: np.ndarray, events: np.ndarray, edges: np.ndarray
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of the discrete-time expansion: (observation index, bin, ended in that bin).
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of the discrete-time expansion: (observation index, bin, ended in that bin, weight).
 
     An ended observation of length ``o`` reaches the bins up to the one holding ``o`` and ends
-    in it; a censored one (``o' > o``) contributes the bins it survived entirely."""
+    in it (weight 1 each); a censored one (``o' > o``) survived the bins that end by ``o``
+    (weight 1 each) and, where ``o`` falls inside a bin, that bin's first ``o - e_b + 1`` of
+    its ``w_b`` tokens: one more row, target 0, weight ``(o - e_b + 1) / w_b`` (the actuarial
+    exposure; dropping it, as this did until 2026-12-05, leaves the bin where requests are
+    still running with their ends and none of their survival: a hazard near 1 there)."""
     holding = np.searchsorted(edges, durations, side="right") - 1
     survived_all = np.searchsorted(edges, durations + 1, side="right") - 1  # bins ending <= o
-    count = np.where(events, holding + 1, survived_all)
+    partial = ~events & (survived_all == holding)
+    count = np.where(events, holding + 1, survived_all + partial)
     owner = np.repeat(np.arange(durations.size), count)
     starts = np.cumsum(count) - count
     bins = np.arange(owner.size) - np.repeat(starts, count)
     target = events[owner] & (bins == holding[owner])
-    return owner, bins, target
+    weight = np.ones(owner.size)
+    last = partial[owner] & (bins == holding[owner])
+    widths = np.diff(edges).astype(np.float64)
+    b = bins[last]
+    weight[last] = (durations[owner[last]] - edges[b] + 1) / widths[b]
+    return owner, bins, target, weight
 
 
 class KeyStats:
@@ -120,17 +134,16 @@ class KeyStats:
         return _seen(self.table.get(key) if key is not None else None, self.global_mean)
 
     def learn(self, key: str | None, value: float, ended: bool) -> tuple[float, float, float]:
-        """The key's :meth:`features` as of now, then one more outcome of it counted, whose
-        ``log1p(output)`` is ``value`` (one lookup of the key)."""
-        g = self.global_mean
+        """The key's statistics as of now (:meth:`raw`), then one more outcome of it counted,
+        whose ``log1p(output)`` is ``value`` (one lookup of the key)."""
         if ended:
             self.ended += 1
             self.total += value
         if key is None:
-            return 0.0, 0.0, g
+            return 0.0, 0.0, 0.0
         table = self.table
         stats = table.get(key)
-        seen = _seen(stats, g)
+        seen = (stats[0], stats[1], stats[2]) if stats is not None else (0.0, 0.0, 0.0)
         if stats is None:
             stats = table[key] = [0.0, 0.0, 0.0]
             if len(table) > self.max_keys:
@@ -142,6 +155,20 @@ class KeyStats:
             stats[1] += 1
             stats[2] += value
         return seen
+
+    def raw(self, key: str | None) -> tuple[float, float, float]:
+        """(observations, ended observations, sum of their ``log1p(output)``) of a key as of
+        now; zeros for a key never seen (or None)."""
+        stats = self.table.get(key) if key is not None else None
+        return (stats[0], stats[1], stats[2]) if stats is not None else (0.0, 0.0, 0.0)
+
+
+def key_features(raw: np.ndarray, g: float) -> np.ndarray:
+    """:meth:`KeyStats.features` of rows of :meth:`KeyStats.raw` statistics, against the
+    global mean ``g`` given: ``log1p(count)``, the shrunk deviation and the shrunk mean."""
+    raw = np.asarray(raw, dtype=np.float64).reshape(-1, 3)
+    deviation = (raw[:, 2] - raw[:, 1] * g) / (raw[:, 1] + KEY_PRIOR)
+    return np.column_stack([np.log1p(raw[:, 0]), deviation, g + deviation])
 
 
 def _seen(stats: list[float] | None, g: float) -> tuple[float, float, float]:
@@ -259,7 +286,8 @@ class HazardEstimator(BaseEstimator):
             self.fallback_ = SurvivalEstimator(
                 self.window, (self.key_params or {}).get("tail_at_risk", TAIL_AT_RISK))
         self.keys_ = KeyStats(self.max_keys)
-        # (log1p prompt or -1, log1p key count, key shrunk mean, output, ended) per observation
+        # (log1p prompt or -1, the key's count, ended count and sum of log1p outputs before it
+        # (KeyStats.raw), output, ended) per observation
         self.buffer_: deque[tuple[float, float, float, float, int, bool]] = deque(
             maxlen=self.window)
         self.model_: HistGradientBoostingClassifier | None = None
@@ -267,11 +295,12 @@ class HazardEstimator(BaseEstimator):
         self.n_fitted_ = 0
         self.n_fits_ = 0
         self._since_fit = 0
-        self._skipped: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._skipped: tuple[np.ndarray, np.ndarray, np.ndarray, int] | None = None
         self._skipped_fits = 0
         self._cache: dict[int, int] = {}  # group code -> group id
         self._rows: dict[int, np.ndarray] = {}  # group code -> its features, for re-warming
         self._curves: list[Curves] = []
+        self.running_: Features | None = None  # the latest running requests (observe_running)
         return self
 
     @property
@@ -279,9 +308,24 @@ class HazardEstimator(BaseEstimator):
         return self.fallback_.n_observed_
 
     def observe_running(self, features: Features) -> Self:
-        """Running requests as censored evidence for the fallback curve (see Survival)."""
+        """The requests running now (``generated`` tokens so far), as right-censored evidence:
+        for the fallback curve (see Survival) and for the model's next fit, where each counts
+        the bins it has survived entirely at its current age, with its prompt and key
+        statistics (as known at the fit). Fit on finished requests alone, the model sees the
+        short ones first while the long ones still run (a young service, a burst) and learns
+        hazards near 1 in the last bins it has seen, which every later bin inherits: on the
+        Azure conversation trace at backlog, G = 16, it expected about 12 times the
+        completions that came in the next step. The latest call's requests are kept (at most
+        ``max_running``, the first ones, so no single query outweighs the window); a restart
+        rebuilds from stored outcomes only, so its first model goes without them."""
         self._curves_learner.observe_running(features)
+        alive = np.flatnonzero(features.generated > 0)[: self.max_running]
+        self.running_ = features.take(alive) if alive.size else None
         return self
+
+    @property
+    def max_running(self) -> int:
+        return max(1, self.window // 2)
 
     @property
     def _curves_learner(self) -> SurvivalEstimator | ExactMatchEstimator:
@@ -296,8 +340,8 @@ class HazardEstimator(BaseEstimator):
         values = np.log1p(outcomes.output_tokens.astype(np.float64)).tolist()
         learn, append = self.keys_.learn, self.buffer_.append
         for i, key in enumerate(outcomes.prompt_key):
-            count, deviation, center = learn(key, values[i], ended[i])
-            append((prompts[i], count, deviation, center, outputs[i], ended[i]))
+            count, key_ended, key_total = learn(key, values[i], ended[i])
+            append((prompts[i], count, key_ended, key_total, outputs[i], ended[i]))
         self._since_fit += len(outcomes)
         if not self.defer_fits:
             fitted = self._fit_model(self._due_snapshot())
@@ -382,22 +426,36 @@ class HazardEstimator(BaseEstimator):
             self._install(fitted)
             self.n_fits_ += skipped - 1  # counted as the full schedule would
 
-    def _due_snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    def _due_snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
         due = min(self.refit_every, max(self.min_fit, self.n_fitted_))
         if self._since_fit < due or len(self.buffer_) < self.min_fit:
             return None
         self._since_fit = 0
-        data = np.asarray([row[:4] for row in self.buffer_], dtype=np.float64)
+        rows = np.asarray([row[:4] for row in self.buffer_], dtype=np.float64)
         durations = np.fromiter((row[4] for row in self.buffer_), np.int64, len(self.buffer_))
         events = np.fromiter((row[5] for row in self.buffer_), bool, len(self.buffer_))
-        return data, durations, events
+        prompts, raw = rows[:, 0], rows[:, 1:]
+        running = self.running_
+        if running is not None and len(running):
+            keys = {k: self.keys_.raw(k) for k in dict.fromkeys(running.prompt_key)}
+            prompts = np.concatenate([prompts, _log_prompt(running.prompt_tokens)])
+            raw = np.concatenate([raw, np.array([keys[k] for k in running.prompt_key])])
+            durations = np.concatenate([durations, running.generated.astype(np.int64)])
+            events = np.concatenate([events, np.zeros(len(running), dtype=bool)])
+        # Each row's key statistics are as known before its end (a finished one) or now (a
+        # running one), all measured against the global mean of this fit, as prediction
+        # measures them: against each row's own global mean, a mean that drifts while the
+        # service is young (short outputs end first) would tell rows of different times
+        # apart, and the trees learned "the current mean runs on".
+        data = np.column_stack([prompts, key_features(raw, self.keys_.global_mean)])
+        return data, durations, events, len(self.buffer_)
 
     def _fit_model(self, snapshot) -> tuple[HistGradientBoostingClassifier, int, int] | None:
         if snapshot is None:
             return None
-        data, durations, events = snapshot
-        owner, bins, target = person_period(np.minimum(durations, MAX_TOKENS), events,
-                                            self.edges_)
+        data, durations, events, outcomes = snapshot
+        owner, bins, target, weight = person_period(np.minimum(durations, MAX_TOKENS), events,
+                                                    self.edges_)
         if target.all() or not target.any():
             return None  # one class only: nothing a classifier can learn yet
         model = HistGradientBoostingClassifier(
@@ -405,8 +463,8 @@ class HazardEstimator(BaseEstimator):
             max_leaf_nodes=self.max_leaf_nodes, min_samples_leaf=self.min_samples_leaf,
             early_stopping=False, random_state=0)
         with threadpool_limits(1):  # deterministic, and no oversubscription of shared cores
-            model.fit(self._design(bins, data[owner]), target)
-        return model, int(bins.max()) + 1, int(durations.size)
+            model.fit(self._design(bins, data[owner]), target, sample_weight=weight)
+        return model, int(bins.max()) + 1, int(outcomes)  # the outcomes, not the running
 
     def _install(self, fitted: tuple[HistGradientBoostingClassifier, int, int]) -> None:
         self.model_, self.trained_bins_, self.n_fitted_ = fitted

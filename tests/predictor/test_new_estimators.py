@@ -61,11 +61,15 @@ def test_empirical_bayes_weight_recovers_the_dirichlet_concentration():
 
 def test_person_period_rows():
     edges = bin_edges(1)  # 0, 1, 2, 4, 8, ...
-    owner, bins, target = person_period(np.array([5, 5]), np.array([True, False]), edges)
-    # ended at 5 (bin [4, 8)): bins 0..3, ends in 3; censored at 5: survived bins 0..2 only
-    assert owner.tolist() == [0, 0, 0, 0, 1, 1, 1]
-    assert bins.tolist() == [0, 1, 2, 3, 0, 1, 2]
-    assert target.tolist() == [False, False, False, True, False, False, False]
+    owner, bins, target, weight = person_period(np.array([5, 5, 7, 4]),
+                                                np.array([True, False, False, False]), edges)
+    # ended at 5 (bin [4, 8)): bins 0..3, ends in 3; censored at 5: survived bins 0..2 and
+    # tokens 4 and 5 of bin 3's four (weight 2/4); censored at 7: bins 0..3 whole; censored
+    # at 4: bins 0..2 and one token of bin 3 (1/4)
+    assert owner.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    assert bins.tolist() == [0, 1, 2, 3] * 4
+    assert target.tolist() == [False, False, False, True] + [False] * 12
+    assert weight.tolist() == [1, 1, 1, 1, 1, 1, 1, 0.5, 1, 1, 1, 1, 1, 1, 1, 0.25]
 
 
 def test_hazard_curves_window_area_is_exact_far_out():
@@ -106,7 +110,11 @@ def test_hazard_without_features_matches_kaplan_meier_with_censoring():
     answer = est.predict(Features.of(generated), 80)
     want = residual_life(km.survival_, generated, 80)
     assert est.n_fits_ == 1 and answer.source == ["hazard"] * 5
-    np.testing.assert_allclose(answer.p_fin, want.p_fin, atol=0.03)
+    # within 0.03 where the curve is well supported; at 200 (bins of about 50 and 66 tokens,
+    # at risk 400-800) the bins' actuarial hazards (a request censored inside a bin at risk
+    # for the share of it it lived through) give 0.04 less than Kaplan-Meier's exact steps
+    np.testing.assert_allclose(answer.p_fin[:4], want.p_fin[:4], atol=0.03)
+    assert answer.p_fin[4] == pytest.approx(want.p_fin[4], abs=0.05)
     np.testing.assert_allclose(answer.c_hat, want.c_hat, atol=3.0)
     # censoring does not bias it toward short lengths: dropping the censored ones would
     naive = KaplanMeier().fit(observed[~censored], np.ones((~censored).sum(), bool))
@@ -183,3 +191,27 @@ def test_calibrate_command_runs_on_a_small_synthetic_trace(tmp_path, capsys):
     assert [r["estimator"] for r in rows] == ["survival", "exact_match", "hazard"]
     assert all(r["scored"] > 100 and 0 <= r["brier"] <= 1 for r in rows)
     assert "hazard" in printed and "brier" in printed
+
+
+def test_hazard_learns_from_the_requests_still_running():
+    """A young service has seen the short requests end while the long ones still run. Fit on
+    the finished ones alone, the model's chance of ending within the window is far too high
+    (+0.10 to +0.45 here); with the running ones as censored rows (``observe_running``, as
+    the router's queries give them) it matches the truth, and the global mean that drifts
+    while they come in (short ones first) is not a feature that tells the two kinds of row
+    apart."""
+    rng = np.random.default_rng(0)
+    lengths = np.maximum(1, rng.lognormal(4.8, 1.0, 6000).astype(int))
+    start = rng.uniform(0, 600, 6000)
+    done = start + lengths <= 600
+    running = (600 - start[~done]).astype(int)
+    order = np.argsort((start + lengths)[done])  # in the order they finished
+    finished = Outcomes.of(lengths[done][order])
+    ages = np.array([10, 50, 100, 200, 300, 500])
+    truth = np.array([(lengths[lengths > a] <= a + 80).mean() for a in ages])
+    est = _hazard().observe_running(Features.of(running)).partial_fit(finished)
+    np.testing.assert_allclose(est.predict(Features.of(ages), 80).p_fin, truth, atol=0.03)
+    blind = _hazard().partial_fit(finished)
+    assert (blind.predict(Features.of(ages), 80).p_fin - truth).min() > 0.09
+    # what the model counts as observed stays the finished ones (its window's 4,000)
+    assert est.n_fitted_ == blind.n_fitted_ == min(int(done.sum()), 4000)

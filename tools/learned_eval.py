@@ -18,7 +18,8 @@ replicated:
 range over replicates of the imbalance and throughput ratios to BR-0 in the same run, and the
 share of the BR-0-to-oracle imbalance gap closed: the mean of each replicate's share, and the
 ratio of the mean imbalance ratios, ``(1 - mean I/I_br0) / (1 - mean I_oracle/I_br0)`` with its
-standard error (a replicate whose own gap is small does not blow that one up). One JSON line per run is appended as it finishes; ``run`` skips runs already there.
+standard error (a replicate whose own gap is small does not blow that one up). One JSON line
+per run is appended as it finishes; ``run`` skips runs already there.
 """
 
 from __future__ import annotations

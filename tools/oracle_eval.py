@@ -54,7 +54,7 @@ from tracepaths import trace_file  # noqa: E402  (tools/ beside this script)
 
 from predictor import abtest  # noqa: E402
 from router_client.admission import BalanceRouteParams  # noqa: E402
-from router_client.simulator import SimConfig  # noqa: E402
+from router_client.simulator import SimConfig, bound_share  # noqa: E402
 from router_client.traces import Trace, load_trace  # noqa: E402
 
 TRACES = {
@@ -183,8 +183,7 @@ def throughput_ratio(row: dict, measure: str, where: str) -> float:
         raise SystemExit(f"{where}: the row does not keep {' and '.join(keys)} for --measure "
                          f"{measure}")
     if measure == "share":
-        return ((o["throughput_tok_s"] / o["balanced_bound_tok_s"])
-                / (b["throughput_tok_s"] / b["balanced_bound_tok_s"]))
+        return bound_share(o) / bound_share(b)
     return float(o["run_throughput_tok_s"] / b["run_throughput_tok_s"])
 
 

@@ -60,8 +60,8 @@ calibrated where it has data; ``p_fin`` is a product of them. Measured on the sh
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from typing import Any, Self
 
 import numpy as np
@@ -127,11 +127,11 @@ class KeyStats:
     def global_mean(self) -> float:
         return self.total / self.ended if self.ended else 0.0
 
-    def features(self, key: str | None) -> tuple[float, float, float]:
-        """(log1p(count), shrunk mean log1p(output) less the global mean ``g``, and the shrunk
-        mean itself) of a key as of now: ``(sum - n * g) / (n + m0)`` is 0 for a key never
-        seen (nothing known beyond ``g``)."""
-        return _seen(self.table.get(key) if key is not None else None, self.global_mean)
+    def features(self, keys: Iterable[str | None]) -> np.ndarray:
+        """Rows of (log1p(count), shrunk mean log1p(output) less the global mean ``g``, and
+        the shrunk mean itself) of the keys as of now (:func:`key_features` of :meth:`raw`):
+        ``(sum - n * g) / (n + m0)`` is 0 for a key never seen (nothing known beyond ``g``)."""
+        return key_features(np.array([self.raw(k) for k in keys]), self.global_mean)
 
     def learn(self, key: str | None, value: float, ended: bool) -> tuple[float, float, float]:
         """The key's statistics as of now (:meth:`raw`), then one more outcome of it counted,
@@ -143,7 +143,7 @@ class KeyStats:
             return 0.0, 0.0, 0.0
         table = self.table
         stats = table.get(key)
-        seen = (stats[0], stats[1], stats[2]) if stats is not None else (0.0, 0.0, 0.0)
+        seen = _raw(stats)
         if stats is None:
             stats = table[key] = [0.0, 0.0, 0.0]
             if len(table) > self.max_keys:
@@ -159,8 +159,7 @@ class KeyStats:
     def raw(self, key: str | None) -> tuple[float, float, float]:
         """(observations, ended observations, sum of their ``log1p(output)``) of a key as of
         now; zeros for a key never seen (or None)."""
-        stats = self.table.get(key) if key is not None else None
-        return (stats[0], stats[1], stats[2]) if stats is not None else (0.0, 0.0, 0.0)
+        return _raw(self.table.get(key) if key is not None else None)
 
 
 def key_features(raw: np.ndarray, g: float) -> np.ndarray:
@@ -171,12 +170,8 @@ def key_features(raw: np.ndarray, g: float) -> np.ndarray:
     return np.column_stack([np.log1p(raw[:, 0]), deviation, g + deviation])
 
 
-def _seen(stats: list[float] | None, g: float) -> tuple[float, float, float]:
-    if stats is None:
-        return 0.0, 0.0, g
-    count, ended, total = stats
-    deviation = (total - ended * g) / (ended + KEY_PRIOR)
-    return math.log1p(count), deviation, g + deviation
+def _raw(stats: list[float] | None) -> tuple[float, float, float]:
+    return (stats[0], stats[1], stats[2]) if stats is not None else (0.0, 0.0, 0.0)
 
 
 class Curves:
@@ -437,9 +432,9 @@ class HazardEstimator(BaseEstimator):
         prompts, raw = rows[:, 0], rows[:, 1:]
         running = self.running_
         if running is not None and len(running):
-            keys = {k: self.keys_.raw(k) for k in dict.fromkeys(running.prompt_key)}
             prompts = np.concatenate([prompts, _log_prompt(running.prompt_tokens)])
-            raw = np.concatenate([raw, np.array([keys[k] for k in running.prompt_key])])
+            raw = np.concatenate([raw, np.array([self.keys_.raw(k)
+                                                 for k in running.prompt_key])])
             durations = np.concatenate([durations, running.generated.astype(np.int64)])
             events = np.concatenate([events, np.zeros(len(running), dtype=bool)])
         # Each row's key statistics are as known before its end (a finished one) or now (a
@@ -500,8 +495,7 @@ class HazardEstimator(BaseEstimator):
         index: dict[str | None, int] = {}
         key_ids = np.fromiter((index.setdefault(k, len(index)) for k in features.prompt_key),
                               np.int64, len(features))
-        stats = np.array([self.keys_.features(k) for k in index], dtype=np.float64)
-        stats = stats.reshape(-1, 3)[key_ids]
+        stats = self.keys_.features(index)[key_ids]
         prompt = np.round(_log_prompt(features.prompt_tokens) / PROMPT_QUANTUM).astype(np.int64)
         prompt = np.clip(prompt, -20, 959)
         count = np.clip(np.round(stats[:, 0] * 100).astype(np.int64), 0, 4095)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from proxy.cli import add_commands as add_serving_commands
 from router_client.admission import (
+    END_SHAPES,
     GUARD_RULES,
     SHORT_POOL_RULES,
     STAGE1_RULES,
@@ -24,7 +25,7 @@ from router_client.admission import (
 )
 from router_client.errors import BalanceRouteError, ParameterError
 from router_client.predictors import Predictor
-from router_client.projection import END_POINTS
+from router_client.projection import END_POINTS, END_SHAPE
 from router_client.simulator import DEFAULT_STEP_COST, SimConfig, check_load, parse_step_cost
 from router_client.traces import FORMATS, Trace, load_trace
 
@@ -221,8 +222,13 @@ def _add_learned_flags(ab: argparse.ArgumentParser) -> None:
     """``ab``'s flags for how BR-H reads a learned law and places a short pool."""
     ab.add_argument("--end-points", type=int, default=END_POINTS,
                     help="BR-H with a learned predictor: spread the end time of a request "
-                    "that ends within the window over this many points of a uniform law with "
+                    "that ends within the window over this many points of its law with "
                     f"mean mu_rem (0: all at mu_rem, the point law; default {END_POINTS})")
+    ab.add_argument("--end-shape", choices=END_SHAPES, default=END_SHAPE,
+                    help="BR-H with a learned predictor: the end-time law within the window "
+                    "and how an answer ages between refreshes: exponential (a constant hazard, "
+                    "conditioned on the request still running; default) or uniform (the law "
+                    "before 2026-12-06: mu_rem moved closer, p_fin kept)")
     ab.add_argument("--expected-overflow", action=argparse.BooleanOptionalAction, default=True,
                     help="BR-H with a learned predictor: the overflow penalty is its expectation "
                     "under the predicted law of each worker's load (default); "
@@ -380,7 +386,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   turnover_scale=args.turnover_scale,
                                   s_greedy=args.s_greedy, stage1=args.stage1,
                                   candidate_life=args.candidate_life, refill=args.refill,
-                                  end_points=args.end_points,
+                                  end_points=args.end_points, end_shape=args.end_shape,
                                   expected_overflow=args.expected_overflow,
                                   learned_short_pool=args.learned_short_pool,
                                   short_pool=args.short_pool,

@@ -276,7 +276,7 @@ class Proxy:
             predictor = self.lengths
         elif config.policy == "brh" and config.predictor_url:
             inner = HttpPredictor(config.predictor_url, id_prefix=f"proxy-{uuid.uuid4().hex[:6]}-")
-            self.predictor = BackgroundPredictor(inner)
+            self.predictor = BackgroundPredictor(inner, end_shape=params.end_shape)
             predictor = self.predictor
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(config.engine_timeout_s, connect=config.connect_timeout_s,

@@ -47,9 +47,9 @@ from router_client.predictors import (
     Prediction,
     Predictor,
     aged_c_hat,
-    aged_mu_rem,
     tokens_since,
 )
+from router_client.projection import END_SHAPE, aged_law
 
 from .metrics import ProxyMetrics
 from .pool import NoRankUp, PendingPool
@@ -139,8 +139,10 @@ class BackgroundPredictor:
     ``Prediction(None)`` and a drifted one is flagged, so RouterClient falls back to BR-0.
     """
 
-    def __init__(self, inner: Predictor, max_age_s: float = 10.0) -> None:
+    def __init__(self, inner: Predictor, max_age_s: float = 10.0,
+                 end_shape: str = END_SHAPE) -> None:
         self.inner = inner
+        self.end_shape = end_shape  # how the law ages (router_client.projection.aged_law)
         self.name = getattr(inner, "name", "background")
         self.max_age_s = max_age_s
         self.lock = threading.Lock()
@@ -177,7 +179,8 @@ class BackgroundPredictor:
         p_fin = mu_rem = None
         if has_law:
             p_fin = np.fromiter((row[1] for row in rows), np.float64, n)
-            mu_rem = aged_mu_rem(np.fromiter((row[2] for row in rows), np.float64, n), elapsed)
+            p_fin, mu_rem = aged_law(p_fin, np.fromiter((row[2] for row in rows), np.float64, n),
+                                     elapsed, horizon, self.end_shape)
         return Prediction(c_hat, drifted=drifted, recommendation=recommendation,
                           p_fin=p_fin, mu_rem=mu_rem)
 

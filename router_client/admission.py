@@ -63,7 +63,16 @@ from . import fastpath
 from .errors import ContractError, ParameterError
 from .fleet import DEFAULT_STEP_COST, Assignment, FleetView, WaitingRequest
 from .fscore import MarginTable, candidate_rows, discounts
-from .projection import END_POINTS, end_law, end_window, mixture_moments, projected_loads
+from .projection import (
+    END_POINTS,
+    END_SHAPE,
+    end_cdf,
+    end_law,
+    end_rate,
+    end_window,
+    mixture_moments,
+    projected_loads,
+)
 from .subset import SubsetChoice, best_subset
 
 Stage1Rule = Literal["auto", "paper", "best-pair", "lpt", "auto-pair"]
@@ -75,6 +84,8 @@ STAGE2_ORDERS: tuple[str, ...] = get_args(Stage2Order)
 GuardRule = Literal["always", "idle"]
 GUARD_RULES: tuple[str, ...] = get_args(GuardRule)
 ZeroGammaRules = Literal["br0", "brh"]
+EndShape = Literal["exponential", "uniform"]
+END_SHAPES: tuple[str, ...] = get_args(EndShape)
 ZERO_GAMMA_RULES: tuple[str, ...] = get_args(ZeroGammaRules)
 # The decode step's fixed cost in KV tokens, b / a of T = a max L + b, where neither the
 # parameters nor the fleet view give it: the simulator's default step cost's (0.010 s over
@@ -137,9 +148,15 @@ class BalanceRouteParams:
             from there, instead of left empty. Off by default: with true lengths it helps at
             long horizons (H 200, gamma 0.97) and hurts at the default one (see the README).
         end_points: with a predictor's ``p_fin`` and ``mu_rem``, the end time of a request
-            that ends within the window is spread over this many points of a uniform law
-            with mean ``mu_rem`` (:func:`router_client.projection.mixture_loads`); 0: all at
+            that ends within the window is spread over this many points of its law with mean
+            ``mu_rem`` (:func:`router_client.projection.mixture_loads`); 0: all at
             ``mu_rem`` (the point law, the previous default).
+        end_shape: that law's shape and how an answer ages between refreshes:
+            ``"exponential"`` (default since 2026-12-06), a constant hazard truncated to the
+            window, and the answer conditioned on the request still running
+            (:func:`router_client.projection.aged_law`); ``"uniform"`` (before), uniform with
+            mean ``mu_rem``, and ``mu_rem`` moved closer by the steps elapsed, ``p_fin``
+            kept. The oracle's true lengths have no law and are not affected.
         expected_overflow: with a predictor's ``p_fin`` and ``mu_rem``, score the overflow
             penalty as its expectation under their law (each active request running at step h
             with its probability, independently; a worker's load about normal with the
@@ -238,6 +255,7 @@ class BalanceRouteParams:
     candidate_life: bool = True
     refill: bool = False
     end_points: int = END_POINTS
+    end_shape: EndShape = END_SHAPE
     expected_overflow: bool = True
     learned_short_pool: bool = False
     short_pool: ShortPoolRule = "lpt-fit"
@@ -268,6 +286,8 @@ class BalanceRouteParams:
             raise ParameterError("s_greedy", "must be >= 0")
         if self.end_points < 0:
             raise ParameterError("end_points", "must be >= 0 (0: the point law)")
+        if self.end_shape not in END_SHAPES:
+            raise ParameterError("end_shape", f"must be one of {', '.join(END_SHAPES)}")
         if self.stage1_candidates < 1:
             raise ParameterError("stage1_candidates", "must be >= 1")
         if self.stage1 not in STAGE1_RULES:
@@ -417,13 +437,15 @@ def build_table(fleet: FleetView, params: BalanceRouteParams,
         loads, spread = mixture_moments(
             fleet.workers, params.horizon, fleet.active_worker, fleet.active_size,
             fleet.active_p_fin, fleet.active_mu_rem, refill=refill,
-            end_points=params.end_points, spread=params.expected_overflow)
+            end_points=params.end_points, spread=params.expected_overflow,
+            end_shape=params.end_shape)
     else:
         loads = projected_loads(fleet.workers, params.horizon, fleet.active_worker,
                                 fleet.active_size, fleet.active_c_hat, refill=refill)
     gamma = params.gamma if gamma is None else gamma
     if gamma is None:
-        gamma = turnover_gamma(fleet, params.horizon, params.turnover_scale)
+        gamma = turnover_gamma(fleet, params.horizon, params.turnover_scale,
+                               end_shape=params.end_shape)
     return MarginTable(loads, discounts(params.horizon, gamma), params.alpha, beta, spread)
 
 
@@ -439,7 +461,7 @@ def gamma_value(gamma: object) -> float | None:
 
 
 def turnover_gamma(fleet: FleetView, horizon: int, scale: float = 1.0,
-                   pool: int | None = None) -> float:
+                   pool: int | None = None, end_shape: str = END_SHAPE) -> float:
     """The discount whose effective horizon ``1 / (1 - gamma)`` is ``scale`` times the steps
     between two admissions to one worker, clipped to [1, H] steps (1: gamma 0, no look
     ahead at all).
@@ -463,7 +485,7 @@ def turnover_gamma(fleet: FleetView, horizon: int, scale: float = 1.0,
     workers = fleet.workers
     if horizon < 1:
         return 0.0
-    admissions = expected_admissions(fleet, horizon, pool)
+    admissions = expected_admissions(fleet, horizon, pool, end_shape)
     if admissions is None or admissions[-1] <= 0:
         steps = float("inf")
     elif admissions[-1] < workers:
@@ -476,14 +498,14 @@ def turnover_gamma(fleet: FleetView, horizon: int, scale: float = 1.0,
     return 1.0 - 1.0 / effective
 
 
-def expected_admissions(fleet: FleetView, horizon: int, pool: int | None = None
-                        ) -> np.ndarray | None:
+def expected_admissions(fleet: FleetView, horizon: int, pool: int | None = None,
+                        end_shape: str = END_SHAPE) -> np.ndarray | None:
     """The admissions expected within t = 1..H steps after this round, as
     :func:`turnover_gamma` counts them: ``n(t)`` (:func:`expected_completions`), raised to
     ``min(F + n(t), P + lambda t)`` where arrivals at ``fleet.arrival_rate`` (lambda) would fill
     free slots faster; ``pool``: the waiting requests this round sees (None: completions
     alone)."""
-    completions = expected_completions(fleet, horizon)
+    completions = expected_completions(fleet, horizon, end_shape)
     rate = fleet.arrival_rate
     if completions is None or pool is None or rate is None:
         return completions
@@ -494,11 +516,12 @@ def expected_admissions(fleet: FleetView, horizon: int, pool: int | None = None
     return np.maximum(completions, fed)
 
 
-def expected_completions(fleet: FleetView, horizon: int) -> np.ndarray | None:
+def expected_completions(fleet: FleetView, horizon: int, end_shape: str = END_SHAPE
+                         ) -> np.ndarray | None:
     """``n(t)`` for t = 1..H: the active requests expected to end within t steps. Under the
-    predictor's law when it gives one (``p_fin``, with the end time uniform given ``mu_rem``:
-    the law :func:`~router_client.projection.mixture_loads` takes, here exact rather than at
-    its ``end_points`` quantiles), else the requests whose
+    predictor's law when it gives one (``p_fin``, with the end time of ``end_shape`` given
+    ``mu_rem``: the law :func:`~router_client.projection.mixture_loads` takes, here exact
+    rather than at its ``end_points`` quantiles), else the requests whose
     ``c_hat`` is at most t (true lengths: exact). None without predictions."""
     t = np.arange(1, horizon + 1, dtype=np.float64)
     p_fin, mu_rem = fleet.active_p_fin, fleet.active_mu_rem
@@ -506,6 +529,9 @@ def expected_completions(fleet: FleetView, horizon: int) -> np.ndarray | None:
         return float(np.clip(p_fin, 0.0, 1.0).sum()) * t / horizon
     if p_fin is not None and mu_rem is not None:
         p, mu = end_law(p_fin, mu_rem, horizon)
+        if end_shape == "exponential":  # O(n H), exact
+            return (p[:, None] * end_cdf(t[None, :] / horizon,
+                                         end_rate(mu, horizon)[:, None])).sum(axis=0)
         low, high = end_window(mu, horizon)
         return _uniform_ends(t, p, low, high - low)
     if fleet.active_c_hat is None:
@@ -562,7 +588,8 @@ def route_round(
     gamma = params.gamma
     if params.horizon > 0 and gamma is None and fleet.active_c_hat is not None:
         gamma = turnover_gamma(fleet, params.horizon, params.turnover_scale,
-                               len(pool) if params.turnover_arrivals else None)
+                               len(pool) if params.turnover_arrivals else None,
+                               params.end_shape)
         if gamma <= 0.0:
             stats.extra["gamma"] = 0.0
             if params.effective_beta(fleet.workers) == params.alpha * fleet.workers:

@@ -79,7 +79,7 @@ class RouterClient:
         horizon = config.params.horizon if base.needs_predictions else 0
         self.predictions = PredictionCache(
             predictor, horizon, config.refresh_steps,
-            FallbackController(config.healthy_to_return, metrics))
+            FallbackController(config.healthy_to_return, metrics), config.params.end_shape)
         self.steps = 0
         self.arrivals = ArrivalRate()  # requests entering the pool per step (BR-H's turnover)
         self._arrived = 0

@@ -21,6 +21,9 @@
   not decode steps (it routes when a slot frees, a few steps apart), so counting rounds would
   age answers too slowly. Without the counts, ``e`` is the rounds (``step``) since. A waiting
   request's life starts when it is admitted (:meth:`on_admit`), not when it was asked about.
+  A law (``p_fin``, ``mu_rem``) ages by :func:`~router_client.projection.aged_law`: since
+  2026-12-06 it is conditioned on the request still running (``end_shape="exponential"``);
+  before, ``p_fin`` was kept and ``mu_rem`` moved ``e`` closer (``"uniform"``).
 - **Unknown requests** (admitted without any prediction) count as ``c_hat = H``, the
   conservative prior, until the next refresh.
 
@@ -36,7 +39,8 @@ import numpy as np
 
 from .fallback import FallbackController
 from .fleet import FleetView
-from .predictors import ActiveBatch, Predictor, aged_c_hat, aged_mu_rem, tokens_since
+from .predictors import ActiveBatch, Predictor, aged_c_hat, tokens_since
+from .projection import END_SHAPE, aged_law
 
 
 @dataclass(frozen=True)
@@ -60,11 +64,13 @@ class PredictionCache:
     """
 
     def __init__(self, predictor: Predictor | None, horizon: int, refresh_steps: int = 10,
-                 controller: FallbackController | None = None) -> None:
+                 controller: FallbackController | None = None,
+                 end_shape: str = END_SHAPE) -> None:
         if refresh_steps < 1:
             raise ValueError("refresh_steps must be >= 1")
         self.predictor = predictor
         self.horizon = horizon
+        self.end_shape = end_shape  # how a law ages (router_client.projection.aged_law)
         self.refresh_steps = refresh_steps
         self.controller = controller or FallbackController()
         self.use_predictions = False
@@ -173,7 +179,7 @@ class PredictionCache:
             laws = [self._law.get(r, unknown) for r in running]
             p_fin = np.fromiter((law[0] for law in laws), np.float64, len(laws))
             mu_rem = np.fromiter((law[1] for law in laws), np.float64, len(laws))
-            mu_rem = aged_mu_rem(mu_rem, elapsed)
+            p_fin, mu_rem = aged_law(p_fin, mu_rem, elapsed, self.horizon, self.end_shape)
         return replace(view, active_c_hat=c_hat, pool_c_hat=self.waiting_c_hat(waiting),
                        active_p_fin=p_fin, active_mu_rem=mu_rem)
 

@@ -10,9 +10,12 @@ H": such a request runs at every step of the window, h = H included.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 
 END_POINTS = 4  # points of the spread end-time law (mixture_loads); 0: the point law
+END_SHAPE: Literal["exponential", "uniform"] = "exponential"  # end_rate; "uniform" before
 
 
 def mixture_loads(
@@ -24,6 +27,7 @@ def mixture_loads(
     mu_rem: np.ndarray,
     refill: float | None = None,
     end_points: int = END_POINTS,
+    end_shape: str = END_SHAPE,
 ) -> np.ndarray:
     """Expected loads when each request ends within H with probability ``p_fin``, after
     ``mu_rem`` steps on average if it does, and runs through the window otherwise.
@@ -34,10 +38,12 @@ def mixture_loads(
     mu_rem`` would take a request that is as likely to end in 5 steps as to outlive the
     window for one that surely runs 42 steps and then surely stops.
 
-    T is uniform with mean ``mu`` inside the window: on ``[0, 2 mu]`` when ``mu <= H/2``, on
-    ``[2 mu - H, H]`` otherwise (a request with a constant hazard and a small ``p_fin`` ends
-    about uniformly over the window, ``mu`` near H/2), taken at ``end_points`` quantile
-    midpoints of weight ``p_fin / end_points``. A point at t (clipped to [1, H]) runs fully
+    T inside the window follows ``end_shape``: ``"exponential"`` (the default since
+    2026-12-06), the law of a constant hazard truncated to the window with mean ``mu``
+    (:func:`end_rate`: front-loaded for a short ``mu``, uniform at ``mu = H/2``, loaded towards
+    H above it); ``"uniform"`` (before), uniform on ``[0, 2 mu]`` when ``mu <= H/2``, on
+    ``[2 mu - H, H]`` otherwise. Either is taken at ``end_points`` quantile midpoints of
+    weight ``p_fin / end_points``. A point at t (clipped to [1, H]) runs fully
     before ``floor(t)`` and with weight ``t - floor(t)`` at ``floor(t)``, as
     :func:`projected_loads` takes a ``c_hat`` below H; at H = 1 every point is 1 and the
     request's ending share has ended at step 1 (where ``projected_loads`` would read a
@@ -47,7 +53,7 @@ def mixture_loads(
     are a deterministic ``c_hat`` (:func:`projected_loads`).
     """
     return mixture_moments(workers, horizon, active_worker, active_size, p_fin, mu_rem,
-                           refill=refill, end_points=end_points)[0]
+                           refill=refill, end_points=end_points, end_shape=end_shape)[0]
 
 
 def mixture_moments(
@@ -60,6 +66,7 @@ def mixture_moments(
     refill: float | None = None,
     end_points: int = END_POINTS,
     spread: bool = False,
+    end_shape: str = END_SHAPE,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """The mean (:func:`mixture_loads`) and, with ``spread``, the standard deviation of each
     worker's load h steps ahead, shapes ``(G, H+1)``.
@@ -85,7 +92,8 @@ def mixture_moments(
         loads[:, 0] = np.bincount(owner, weights=size, minlength=workers)
         return loads, (np.zeros(shape) if spread else None)
     p, mu = end_law(p_fin, mu_rem, horizon)
-    points = np.clip(mu[:, None] if end_points <= 0 else _end_times(mu, horizon, end_points),
+    points = np.clip(mu[:, None] if end_points <= 0
+                     else _end_times(mu, horizon, end_points, end_shape),
                      1.0, float(horizon))  # (n, K), ascending along K
     whole = np.floor(points).astype(np.int64)
     frac = points - whole
@@ -162,11 +170,120 @@ def end_window(mu: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
     return low, high
 
 
-def _end_times(mu: np.ndarray, horizon: int, end_points: int) -> np.ndarray:
-    """The ``end_points`` quantile midpoints of the uniform end-time law with mean ``mu``
-    (see :func:`mixture_loads`), each below H: shape ``(n, end_points)``, ascending."""
-    low, high = end_window(mu, horizon)
+_EPS = 1e-6
+
+
+def mean_fraction(x: np.ndarray) -> np.ndarray:
+    """The mean of the end-time law with rate ``x / H`` on ``[0, H]``, as a fraction of H:
+    ``1/x - 1/(e^x - 1)`` (1/2 at x = 0, the uniform law; towards 0 as x grows, towards 1 as
+    it falls below 0)."""
+    x = np.asarray(x, dtype=np.float64)
+    small = np.abs(x) < 1e-4
+    safe = np.where(small, 1.0, x)
+    with np.errstate(over="ignore"):
+        out = 1.0 / safe - 1.0 / np.expm1(safe)
+    return np.where(small, 0.5 - x / 12.0, out)
+
+
+_RATE_GRID = np.sinh(np.linspace(-np.arcsinh(400.0), np.arcsinh(400.0), 2049))
+_MEAN_GRID = mean_fraction(_RATE_GRID)[::-1]  # ascending, for np.interp
+_RATE_BY_MEAN = _RATE_GRID[::-1]
+
+
+def end_rate(mu: np.ndarray, horizon: int) -> np.ndarray:
+    """The rate ``x`` (per window, ``x / H`` per step) of the truncated exponential law on
+    ``[0, H]`` whose mean is ``mu``: the end time of a request with a constant hazard, given
+    that it ends within the window (x > 0: front-loaded, a short ``mu``; x = 0: uniform, ``mu
+    = H/2``; x < 0: loaded towards H). Beyond the grid's ends, the asymptotes ``x = 1 / m``
+    and ``x = -1 / (1 - m)`` (m = mu / H)."""
+    m = np.clip(np.asarray(mu, dtype=np.float64) / horizon, 1e-9, 1.0 - 1e-9)
+    x = np.interp(m, _MEAN_GRID, _RATE_BY_MEAN)
+    for _ in range(2):  # Newton steps from the table's interpolation (to ~1e-12)
+        x = x - (mean_fraction(x) - m) / _mean_slope(x)
+    x = np.where(m < _MEAN_GRID[0], 1.0 / m, x)
+    return np.where(m > _MEAN_GRID[-1], -1.0 / (1.0 - m), x)
+
+
+def _mean_slope(x: np.ndarray) -> np.ndarray:
+    """The derivative of :func:`mean_fraction`: ``e^x / (e^x - 1)^2 - 1 / x^2`` (-1/12 at
+    0), always below 0."""
+    small = np.abs(x) < 1e-3
+    safe = np.where(small, 1.0, np.clip(x, -600.0, 600.0))
+    slope = 0.25 / np.sinh(safe / 2.0) ** 2 * -1.0 + 1.0 / safe**2
+    return np.where(small, -1.0 / 12.0 + x * x / 240.0, -slope)
+
+
+def end_cdf(s: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``P(T <= s H)`` under the law of :func:`end_rate` with rate ``x``, for ``s`` in [0, 1]
+    (broadcasting)."""
+    s = np.clip(np.asarray(s, dtype=np.float64), 0.0, 1.0)
+    x = np.asarray(x, dtype=np.float64)
+    pos = np.where(x > _EPS, x, 1.0)
+    neg = np.where(x < -_EPS, -x, 1.0)
+    with np.errstate(over="ignore", under="ignore"):
+        rising = np.expm1(-pos * s) / np.expm1(-pos)
+        falling = np.exp(neg * (s - 1.0)) * np.expm1(-neg * s) / np.expm1(-neg)
+    return np.where(x > _EPS, rising, np.where(x < -_EPS, falling, s))
+
+
+def end_quantile(u: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`end_cdf`: the time (as a fraction of H) by which a share ``u`` of
+    the law with rate ``x`` has ended (broadcasting)."""
+    u = np.clip(np.asarray(u, dtype=np.float64), 0.0, 1.0)
+    x = np.asarray(x, dtype=np.float64)
+    pos = np.where(x > _EPS, x, 1.0)
+    neg = np.where(x < -_EPS, -x, 1.0)
+    with np.errstate(divide="ignore", under="ignore"):  # u = 1 at a steep rate: H
+        rising = -np.log1p(u * np.expm1(-pos)) / pos
+        falling = 1.0 + np.log(u + (1.0 - u) * np.exp(-neg)) / neg
+    return np.clip(np.where(x > _EPS, rising, np.where(x < -_EPS, falling, u)), 0.0, 1.0)
+
+
+def aged_law(p_fin: np.ndarray, mu_rem: np.ndarray, elapsed: np.ndarray, horizon: int,
+             shape: str = END_SHAPE) -> tuple[np.ndarray, np.ndarray]:
+    """A law (``p_fin``, ``mu_rem``) answered ``elapsed`` steps ago, as of now, given that the
+    request is still running.
+
+    ``shape="exponential"``: conditioned on ``T > e``. Of the share ``p_fin`` that was to end
+    within the window, what has not ended by e ends within the next H - e steps, with the
+    same constant hazard (the law of :func:`end_rate` is memoryless); of the share that was to
+    outlive the window, a part ``1 - (1 - p_fin)^(e/H)`` now ends within it, by the hazard
+    ``p_fin`` implies, about ``H - e/2`` steps from now. A request that was sure to end by now
+    and has not is taken to end at the next step. ``shape="uniform"``: the previous aging,
+    ``p_fin`` kept and ``mu_rem`` moved ``e`` steps closer (at least 1), which puts a
+    request that outlives its answer's short ``mu_rem`` at the next step until the next
+    refresh. NaN ``mu_rem`` (no law) stays NaN."""
+    p_fin = np.asarray(p_fin, dtype=np.float64)
+    mu_rem = np.asarray(mu_rem, dtype=np.float64)
+    e = np.minimum(np.asarray(elapsed, dtype=np.float64), float(horizon))
+    if shape == "uniform":
+        return p_fin, np.where(np.isfinite(mu_rem), np.maximum(mu_rem - e, 1.0), mu_rem)
+    p, mu = end_law(p_fin, mu_rem, horizon)
+    x = end_rate(mu, horizon)
+    survive = p * (1.0 - end_cdf(e / horizon, x))  # was to end in the window, not yet
+    late = (1.0 - p) * -np.expm1(e / horizon * np.log1p(-np.minimum(p, 1.0 - 1e-12)))
+    alive = survive + (1.0 - p)
+    ending = survive + late
+    left = np.maximum(horizon - e, 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p_new = np.where(alive > 1e-12, ending / alive, 1.0)
+        mu_new = np.where(ending > 1e-12,
+                          (survive * left * mean_fraction(x * left / horizon)
+                           + late * (horizon - e / 2.0)) / ending, 1.0)
+    mu_new = np.where(alive > 1e-12, np.maximum(mu_new, 1.0), 1.0)
+    keep = (e <= 0) | (p <= 0)  # nothing elapsed, or nothing to end: the answer as given
+    return np.where(keep, p_fin, p_new), np.where(keep, mu_rem, mu_new)
+
+
+def _end_times(mu: np.ndarray, horizon: int, end_points: int, shape: str = END_SHAPE
+               ) -> np.ndarray:
+    """The ``end_points`` quantile midpoints of the end-time law with mean ``mu`` (see
+    :func:`mixture_loads`), each below H: shape ``(n, end_points)``, ascending."""
     quantiles = (np.arange(end_points) + 0.5) / end_points
+    if shape == "exponential":
+        times = horizon * end_quantile(quantiles[None, :], end_rate(mu, horizon)[:, None])
+        return np.minimum(times, horizon - 1e-9)
+    low, high = end_window(mu, horizon)
     return np.minimum(low[:, None] + (high - low)[:, None] * quantiles[None, :],
                       horizon - 1e-9)
 

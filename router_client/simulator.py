@@ -39,6 +39,7 @@ from .fleet import DEFAULT_STEP_COST, ArrivalRate, Assignment, FleetView, Waitin
 from .policies import Policy
 from .prediction import PredictionCache
 from .predictors import ActiveBatch, FinishedBatch, Predictor
+from .projection import END_SHAPE
 from .traces import Trace
 
 BACKLOG_DEPTH_PER_WORKER = 4
@@ -352,7 +353,8 @@ class Simulation:
         self.metrics = MetricsCollector(len(trace))
         self.cache = PredictionCache(
             self.predictor, config.horizon if policy.needs_predictions else 0,
-            config.refresh_steps, fallback or FallbackController(config.healthy_to_return))
+            config.refresh_steps, fallback or FallbackController(config.healthy_to_return),
+            getattr(getattr(policy, "params", None), "end_shape", END_SHAPE))
         self.pool: list[WaitingRequest] = []
         self.assigned = np.zeros(len(trace), dtype=bool)
         self.next_request = 0

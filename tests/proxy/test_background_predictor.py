@@ -15,6 +15,7 @@ from router_client.admission import BalanceRouteParams
 from router_client.client import RouterClient, RouterConfig
 from router_client.fallback import RouterMetrics
 from router_client.predictors import ActiveBatch, FinishedBatch, Prediction
+from router_client.projection import aged_law
 
 
 class Gated:
@@ -89,6 +90,19 @@ def test_an_answer_one_refresh_old_is_aged_by_the_tokens_generated_since_it_was_
                           np.full(3, 100, dtype=np.int64), np.asarray([7, 0, 6]), [None] * 3)
         answer = background.predict(now, 20)
         np.testing.assert_array_equal(answer.c_hat, [2.0, 6.0, 1.0])
+        # the law conditioned on each request still running, as the router's cache ages it
+        p_fin, mu_rem = aged_law(np.full(3, 0.25), np.full(3, 3.0), np.array([3, 0, 6]), 20)
+        np.testing.assert_array_equal(answer.mu_rem, mu_rem)
+        np.testing.assert_array_equal(answer.p_fin, p_fin)
+        assert answer.p_fin[1] == 0.25 and answer.mu_rem[1] == 3.0  # b: nothing elapsed
+        assert answer.p_fin[0] < 0.25 and answer.mu_rem[0] > 1.0  # a outlived much of it
+    finally:
+        background.close()
+    background = BackgroundPredictor(inner, end_shape="uniform")  # the aging before
+    try:
+        background.predict(asked, 20)
+        _until(lambda: inner.queries == 2 and not background.running)
+        answer = background.predict(now, 20)
         np.testing.assert_array_equal(answer.mu_rem, [1.0, 3.0, 1.0])
         np.testing.assert_array_equal(answer.p_fin, [0.25, 0.25, 0.25])
     finally:

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+from scipy.optimize import brentq
 
 from proxy.dispatcher import RankMaskPolicy
 from router_client.admission import (
@@ -132,15 +133,25 @@ def test_turnover_gamma_hand_worked():
     # ... between two steps, linearly: ends at 1, 3, 3, 9: n(1) = 1, n(2) = 1, n(3) = 3,
     # so n = 2 at 2.5 steps -> gamma 0.6
     assert turnover_gamma(turnover_fleet([1, 3, 3, 9]), 10) == pytest.approx(0.6)
-    # under the predictor's law: each ends surely (p_fin 1), uniformly over [0, 4] (mu_rem
-    # 2), so n(t) = 4 t / 4 = t and n = 2 at t = 2 -> gamma 0.5
+    # under the predictor's law, with the uniform end-time law (the option kept): each ends
+    # surely (p_fin 1), uniformly over [0, 4] (mu_rem 2), so n(t) = 4 t / 4 = t and n = 2 at
+    # t = 2 -> gamma 0.5
     law = turnover_fleet([2, 2, 2, 2], [1, 1, 1, 1])
-    assert turnover_gamma(law, 10) == pytest.approx(0.5)
+    assert turnover_gamma(law, 10, end_shape="uniform") == pytest.approx(0.5)
+    # with the default (a constant hazard truncated to the window, mean mu_rem 2 at H = 10):
+    # the rate x solves 1/x - 1/(e^x - 1) = 0.2 (x = 4.80), P(T <= t) = (1 - e^{-x t / H}) /
+    # (1 - e^{-x}): n(1) = 4 * 0.3844 = 1.538, n(2) = 4 * 0.6222 = 2.489, so n = 2 at
+    # 1 + 0.462 / 0.951 = 1.486 steps -> gamma 0.327
+    x = brentq(lambda x: 1 / x - 1 / np.expm1(x) - 0.2, 0.1, 50)
+    n1, n2 = (4 * -np.expm1(-x * t / 10) / -np.expm1(-x) for t in (1, 2))
+    steps = 1 + (2 - n1) / (n2 - n1)
+    assert turnover_gamma(law, 10) == pytest.approx(1 - 1 / steps)
+    assert turnover_gamma(law, 10) == pytest.approx(0.327, abs=1e-3)
     # mu_rem above H / 2: the end time is uniform on [2 mu - H, H]; mu_rem 8 at H = 10: on
     # [6, 10], so n(t) = 4 (t - 6) / 4 = t - 6 and n = 2 at t = 8 -> gamma 0.875
     late = FleetView(law.capacity, law.loads, law.active_counts, law.active_worker,
                      law.active_size, law.active_c_hat, None, np.ones(4), np.full(4, 8.0))
-    assert turnover_gamma(late, 10) == pytest.approx(0.875)
+    assert turnover_gamma(late, 10, end_shape="uniform") == pytest.approx(0.875)
     # p_fin without mu_rem: the endings spread evenly over the window, n(t) = sum(p) t / H =
     # 4 t / 10, so n = 2 at t = 5 -> gamma 0.8
     flat = FleetView(law.capacity, law.loads, law.active_counts, law.active_worker,
@@ -848,8 +859,9 @@ def test_a_short_pool_with_a_learned_law_is_placed_as_br0_places_it():
 
 
 def test_expected_completions_under_the_law_match_ramp_by_ramp():
-    """The breakpoint construction of n(t) equals evaluating every request's uniform end-time
-    ramp at every t (the O(n H) definition), steps (mu_rem 0) included."""
+    """With the uniform end-time law, the breakpoint construction of n(t) equals evaluating
+    every request's uniform ramp at every t (the O(n H) definition), steps (mu_rem 0)
+    included."""
     from router_client.admission import expected_completions
     from router_client.projection import end_law
 
@@ -867,4 +879,38 @@ def test_expected_completions_under_the_law_match_ramp_by_ramp():
         width = np.maximum(np.where(mu <= horizon / 2, 2.0 * mu, float(horizon)) - low, 1e-12)
         t = np.arange(1, horizon + 1, dtype=np.float64)
         direct = p @ np.clip((t[None, :] - low[:, None]) / width[:, None], 0.0, 1.0)
-        assert expected_completions(fleet, horizon) == pytest.approx(direct, abs=1e-8)
+        assert expected_completions(fleet, horizon, "uniform") == pytest.approx(direct,
+                                                                                abs=1e-8)
+
+
+def _density_mean(x: float) -> float:
+    """The mean of the density ``exp(-x u)`` on [0, 1], by numerical integration."""
+    from scipy.integrate import quad
+
+    return (quad(lambda u: u * np.exp(-x * u), 0, 1)[0]
+            / quad(lambda u: np.exp(-x * u), 0, 1)[0])
+
+
+def test_expected_completions_under_the_exponential_law_match_numerical_integration():
+    """The default law's n(t) against the end-time density ``exp(-x t / H)`` on [0, H]
+    integrated numerically, its rate found by root-finding on its mean (scipy), for means
+    from far below H/2 (front-loaded) to far above (loaded towards H)."""
+    from scipy.integrate import quad
+
+    from router_client.admission import expected_completions
+
+    horizon = 40
+    mu_rem = np.array([0.7, 3.0, 11.0, 20.0, 27.0, 38.5])
+    p_fin = np.array([1.0, 0.9, 0.5, 0.3, 0.8, 0.6])
+    n = mu_rem.size
+    fleet = FleetView(8, np.zeros(2), np.zeros(2, np.int64), np.zeros(n, np.int64),
+                      np.ones(n), np.full(n, 5.0), None, p_fin, mu_rem)
+    t = np.arange(1, horizon + 1, dtype=np.float64)
+    direct = np.zeros(horizon)
+    for p, mu in zip(p_fin, mu_rem, strict=True):
+        x = 0.0 if mu == horizon / 2 else brentq(
+            lambda x, mu=mu: _density_mean(x) - mu / horizon, -200, 200)
+        norm = quad(lambda u, x=x: np.exp(-x * u), 0, 1)[0]
+        direct += p * np.array([quad(lambda u, x=x: np.exp(-x * u), 0, k / horizon)[0] / norm
+                                for k in t])
+    assert expected_completions(fleet, horizon) == pytest.approx(direct, abs=1e-6)

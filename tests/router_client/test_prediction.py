@@ -151,3 +151,41 @@ def test_a_predictor_warming_again_after_an_answer_leaves_the_gauge_at_zero():
     cache.refresh(1, batch(["a"]), 1)
     assert not cache.use_predictions and gauge().endswith(" 0.0")
     assert cache.controller.switches == []
+
+
+class LawAnswer:
+    """Answers c_hat with the law (p_fin 0.9, mu_rem 3) for every request asked about."""
+
+    name = "law"
+
+    def predict(self, batch, horizon):
+        n = len(batch.request_ids)
+        return Prediction(np.full(n, 0.1 * horizon + 0.9 * 3.0), p_fin=np.full(n, 0.9),
+                          mu_rem=np.full(n, 3.0))
+
+    def observe(self, finished):
+        pass
+
+
+@pytest.mark.parametrize("shape", ["exponential", "uniform"])
+def test_annotate_ages_the_law_by_the_tokens_since_the_answer(shape):
+    """A request 5 tokens past an answer that expected it to end within about 3 steps with
+    chance 0.9: by default the law is conditioned on its still running (aged_law: a smaller
+    p_fin, a later mean end than 3 - 5); with the uniform option, p_fin 0.9 kept and mu_rem
+    floored at 1 (the aging before 2026-12-06). An answer just given is read as given."""
+    from router_client.fleet import FleetView
+    from router_client.projection import aged_law
+
+    view = FleetView.from_active(2, 4, np.array([0, 1]), np.array([100.0, 200.0]))
+    cache = PredictionCache(LawAnswer(), horizon=80, refresh_steps=1, end_shape=shape)
+    for step in range(3):  # healthy refreshes bring BR-H in
+        cache.refresh(step, batch(["a", "b"], [10, 20]), n_active=2)
+    got = cache.annotate(view, ["a", "b"], [], 3, np.array([15, 20]))
+    p_fin, mu_rem = aged_law(np.full(2, 0.9), np.full(2, 3.0), np.array([5, 0]), 80, shape)
+    np.testing.assert_allclose(got.active_p_fin, p_fin)
+    np.testing.assert_allclose(got.active_mu_rem, mu_rem)
+    assert got.active_p_fin[1] == 0.9 and got.active_mu_rem[1] == 3.0
+    if shape == "uniform":
+        assert got.active_p_fin[0] == 0.9 and got.active_mu_rem[0] == 1.0
+    else:
+        assert got.active_p_fin[0] < 0.7 and got.active_mu_rem[0] > 8.0  # 0.68, 8.4

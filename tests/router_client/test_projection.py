@@ -5,6 +5,10 @@ from hypothesis import strategies as st
 
 from router_client.fscore import candidate_rows
 from router_client.projection import (
+    aged_law,
+    end_cdf,
+    end_quantile,
+    end_rate,
     mixture_loads,
     mixture_moments,
     projected_loads,
@@ -76,13 +80,27 @@ def test_spread_end_time_hand_worked():
                         np.array([5.0]), end_points=4)[0]
     np.testing.assert_allclose(got, [(100 + h) * a for h, a in enumerate(alive)])
     # mu_rem 8 > H/2: uniform on [6, 10], points 6.5, 7.5, 8.5, 9.5: all alive up to h = 5
+    # (with the uniform law, the option kept; mu_rem = H/2 above is the same under both)
     late = mixture_loads(1, 10, np.array([0]), np.array([100.0]), np.array([1.0]),
-                         np.array([8.0]), end_points=4)[0]
+                         np.array([8.0]), end_points=4, end_shape="uniform")[0]
     alive = [1, 1, 1, 1, 1, 1, 0.875, 0.625, 0.375, 0.125, 0.0]
     np.testing.assert_allclose(late, [(100 + h) * a for h, a in enumerate(alive)])
     # a point at t is alive for t steps in all (floor(t) whole, the fraction at floor(t)):
     # the expected alive steps are the law's mean, mu_rem
     assert sum(alive) == pytest.approx(8.0)
+
+
+def test_exponential_end_time_hand_worked():
+    # The default law with rate x = ln 16 over H = 10 (e^-x = 1/16): mean 10 (1/x - 1/15) =
+    # 2.94007 steps; quantile of u: 10 ln(1 / (1 - 15 u / 16)) / ln 16, at u = 1/8, 3/8, 5/8,
+    # 7/8: 0.4496 (clipped to 1), 1.5624, 3.1802, 6.1911. Alive share at h (p_fin 1, each
+    # point 1/4): h = 1: (0 + 0.5624 + 1 + 1) / 4, h = 3: (0.1802 + 1) / 4, h = 6: 0.1911 / 4.
+    mu = 10 * (1 / np.log(16) - 1 / 15)
+    got = mixture_loads(1, 10, np.array([0]), np.array([100.0]), np.array([1.0]),
+                        np.array([mu]), end_points=4)[0]
+    alive = [1.0, 2.5624014 / 4, 0.5, 1.1801989 / 4, 0.25, 0.25, 0.1910951 / 4, 0, 0, 0, 0]
+    np.testing.assert_allclose(got, [(100 + h) * a for h, a in enumerate(alive)], rtol=1e-6,
+                               atol=1e-9)
 
 
 def test_refill_takes_an_emptied_slot_hand_worked() -> None:
@@ -124,20 +142,37 @@ def test_spread_hand_worked_and_known_loads_have_none():
     np.testing.assert_allclose(got[0], 0.0)
 
 
-def direct_alive(p_fin, mu, horizon, end_points):
+def law_points(m: float, horizon: int, end_points: int, shape: str) -> list[float]:
+    """The quantile midpoints of the end-time law with mean m (each below H): uniform on [0,
+    2 m] or [2 m - H, H]; or the constant hazard's law on [0, H] with rate x (from
+    end_rate, itself checked against root-finding in test_end_rate_*), whose quantile is
+    ``-ln(1 - u (1 - e^{-x})) / x`` of H."""
+    us = [(j + 0.5) / end_points for j in range(end_points)]
+    if shape == "uniform":
+        low, high = (0.0, 2 * m) if m <= horizon / 2 else (2 * m - horizon, horizon)
+        return [min(low + (high - low) * u, horizon - 1e-9) for u in us]
+    x = float(end_rate(np.array([m]), horizon)[0])
+    if abs(x) < 1e-9:
+        return [min(horizon * u, horizon - 1e-9) for u in us]
+    if x > 0:
+        return [min(-horizon * np.log1p(-u * -np.expm1(-x)) / x, horizon - 1e-9) for u in us]
+    # x < 0: the same quantile written for a large -x without overflow
+    return [min(horizon * (1 + np.log(u + (1 - u) * np.exp(x)) / -x), horizon - 1e-9)
+            for u in us]
+
+
+def direct_alive(p_fin, mu, horizon, end_points, shape="exponential"):
     """The mixture law's run probability q[i, h], by its definition, one step at a time:
-    1 - p_fin, plus p_fin times the share of the end points (uniform end time with mean mu,
-    at its quantile midpoints; all at mu when end_points is 0) still running at h. An
-    unknown mu (NaN) runs through the window."""
+    1 - p_fin, plus p_fin times the share of the end points (end time with mean mu of
+    ``shape``, at its quantile midpoints; all at mu when end_points is 0) still running at
+    h. An unknown mu (NaN) runs through the window."""
     q = np.zeros((len(p_fin), horizon + 1))
     for i, (p, m) in enumerate(zip(p_fin, mu, strict=True)):
         m = min(m, horizon - 1e-9) if p > 0 and np.isfinite(m) else horizon - 1e-9
         if end_points == 0:
             points = [m]
         else:
-            low, high = (0.0, 2 * m) if m <= horizon / 2 else (2 * m - horizon, horizon)
-            points = [min(low + (high - low) * (j + 0.5) / end_points, horizon - 1e-9)
-                      for j in range(end_points)]  # each below H
+            points = law_points(m, horizon, end_points, shape)
         for h in range(horizon + 1):
             share = 0.0
             for t in points:
@@ -148,8 +183,9 @@ def direct_alive(p_fin, mu, horizon, end_points):
 
 
 @given(seed=st.integers(0, 2**32 - 1), end_points=st.sampled_from([0, 1, 2, 4]),
-       workers=st.integers(1, 4), horizon=st.integers(1, 30), n=st.integers(0, 12))
-def test_moments_equal_a_direct_count(seed, end_points, workers, horizon, n):
+       workers=st.integers(1, 4), horizon=st.integers(1, 30), n=st.integers(0, 12),
+       shape=st.sampled_from(["exponential", "uniform"]))
+def test_moments_equal_a_direct_count(seed, end_points, workers, horizon, n, shape):
     """Mean and spread against the law counted step by step (direct_alive): the mean load
     sums (w + h) q, the variance (w + h)^2 q (1 - q), per worker."""
     rng = np.random.default_rng(seed)
@@ -157,13 +193,13 @@ def test_moments_equal_a_direct_count(seed, end_points, workers, horizon, n):
     size = rng.integers(1, 3000, n).astype(float)
     p_fin = np.where(rng.uniform(size=n) < 0.2, rng.choice([0.0, 1.0], n), rng.uniform(0, 1, n))
     mu = np.where(rng.uniform(size=n) < 0.1, np.nan, rng.uniform(0.2, horizon + 5, n))
-    q = direct_alive(p_fin, mu, horizon, end_points)
+    q = direct_alive(p_fin, mu, horizon, end_points, shape)
     work = size[:, None] + np.arange(horizon + 1)[None, :]
     mean, var = np.zeros((workers, horizon + 1)), np.zeros((workers, horizon + 1))
     np.add.at(mean, worker, work * q)
     np.add.at(var, worker, work ** 2 * q * (1 - q))
     loads, spread = mixture_moments(workers, horizon, worker, size, p_fin, mu,
-                                    end_points=end_points, spread=True)
+                                    end_points=end_points, spread=True, end_shape=shape)
     np.testing.assert_allclose(loads, mean, rtol=1e-9, atol=1e-6)
     np.testing.assert_allclose(spread ** 2, var, rtol=1e-9, atol=1e-3)
     assert np.all(spread[var == 0.0] == 0.0)  # exactly: no rounding left where nothing is unsure
@@ -178,7 +214,7 @@ def test_spread_is_exactly_zero_where_every_request_is_certain():
     p_fin = np.array([1.0, 0.0, 1.0, 0.4])
     mu = np.array([7.3, np.nan, 20.0, 5.0])
     _, spread = mixture_moments(3, 60, worker, size, p_fin, mu, spread=True)
-    q = direct_alive(p_fin, mu, 60, 4)
+    q = direct_alive(p_fin, mu, 60, 4)  # the default law, as mixture_moments
     for g in (0, 1):
         mine = worker == g
         certain = np.all((q[mine] == 0) | (q[mine] == 1), axis=0)
@@ -201,11 +237,12 @@ def test_horizon_one_hand_worked():
 def test_moments_refill_is_the_projection_of_each_end_point():
     """With refill, the mean is the (1 - p_fin) share running through and one projection
     (with its refill) per end point, weighted p_fin / points."""
-    for seed, (horizon, points) in enumerate([(2, 1), (5, 3), (16, 4), (40, 4)]):
-        _check_refill(seed, horizon, points)
+    for shape in ("exponential", "uniform"):
+        for seed, (horizon, points) in enumerate([(2, 1), (5, 3), (16, 4), (40, 4)]):
+            _check_refill(seed, horizon, points, shape)
 
 
-def _check_refill(seed: int, horizon: int, points: int) -> None:
+def _check_refill(seed: int, horizon: int, points: int, shape: str) -> None:
     rng = np.random.default_rng(seed)
     workers, n = 3, 20
     worker = rng.integers(0, workers, n)
@@ -213,14 +250,67 @@ def _check_refill(seed: int, horizon: int, points: int) -> None:
     p_fin = np.where(rng.uniform(size=n) < 0.3, rng.choice([0.0, 1.0], n), rng.uniform(0, 1, n))
     mu = rng.uniform(0.3, horizon + 4, n)
     m = np.where(p_fin > 0, np.minimum(mu, horizon - 1e-9), horizon - 1e-9)
-    low = np.where(m <= horizon / 2, 0.0, 2 * m - horizon)
-    high = np.where(m <= horizon / 2, 2 * m, horizon)
+    ends = np.array([law_points(mi, horizon, points, shape) for mi in m])
     want = projected_loads(workers, horizon, worker, size, np.full(n, float(horizon)),
                            weight=1 - p_fin)
     for j in range(points):
-        end = np.minimum(low + (high - low) * (j + 0.5) / points, horizon - 1e-9)
-        want += projected_loads(workers, horizon, worker, size, end, weight=p_fin / points,
-                                refill=7.0)
+        want += projected_loads(workers, horizon, worker, size, ends[:, j],
+                                weight=p_fin / points, refill=7.0)
     got = mixture_loads(workers, horizon, worker, size, p_fin, mu, refill=7.0,
-                        end_points=points)
+                        end_points=points, end_shape=shape)
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-6)
+
+
+def test_end_rate_matches_root_finding_on_the_mean():
+    """end_rate against scipy's root of the truncated exponential's mean (numerical
+    integration), from front-loaded (mean 1 of 80) to loaded towards H (79 of 80); its cdf and
+    quantile invert each other and the cdf is the integral of the density."""
+    from scipy.integrate import quad
+    from scipy.optimize import brentq
+
+    def mean(x: float) -> float:
+        return (quad(lambda u: u * np.exp(-x * u), 0, 1)[0]
+                / quad(lambda u: np.exp(-x * u), 0, 1)[0])
+
+    horizon = 80
+    for mu in (1.0, 2.5, 10.0, 33.0, 40.0, 47.0, 70.0, 79.0):
+        want = 0.0 if mu == 40.0 else brentq(lambda x, mu=mu: mean(x) - mu / horizon, -300, 300)
+        x = float(end_rate(np.array([mu]), horizon)[0])
+        assert x == pytest.approx(want, rel=1e-6, abs=1e-6)
+        norm = quad(lambda u, x=x: np.exp(-x * u), 0, 1)[0]
+        for s in (0.05, 0.3, 0.7, 0.95):
+            integral = quad(lambda u, x=x: np.exp(-x * u), 0, s)[0] / norm
+            assert end_cdf(np.array(s), np.array(x)) == pytest.approx(integral, rel=1e-7)
+            if integral < 1 - 1e-9:  # (beyond, the cdf is 1 in floating point)
+                assert end_quantile(end_cdf(np.array(s), np.array(x)), np.array(x)) == \
+                    pytest.approx(s, rel=1e-6)
+
+
+def test_aged_law_matches_a_monte_carlo_of_the_survivors():
+    """A law answered e steps ago, conditioned on the request still running, against a
+    simulation: end times drawn from the answer's law (within the window with p_fin, else
+    beyond H at the constant hazard p_fin implies), those past e kept, and the share of
+    them ending within the next H steps and their mean remaining life measured."""
+    rng = np.random.default_rng(7)
+    horizon, n = 80, 400_000
+    for p, mu, e in [(0.9, 3.0, 5), (0.5, 40.0, 9), (0.2, 30.0, 9), (0.99, 70.0, 9),
+                     (0.6, 10.0, 3), (0.3, 60.0, 20)]:
+        x = end_rate(np.array([mu]), horizon)
+        ends = rng.uniform(size=n) < p
+        inside = horizon * end_quantile(rng.uniform(size=n), x)
+        beyond = horizon + rng.exponential(horizon / -np.log1p(-p), n)
+        remaining = np.where(ends, inside, beyond) - e
+        remaining = remaining[remaining > 0]
+        p_aged, mu_aged = aged_law(np.array([p]), np.array([mu]), np.array([e]), horizon)
+        assert p_aged[0] == pytest.approx(np.mean(remaining <= horizon), abs=0.004)
+        assert mu_aged[0] == pytest.approx(remaining[remaining <= horizon].mean(), rel=0.01)
+    # nothing elapsed, no law (NaN), or nothing to end: the answer as given
+    p_aged, mu_aged = aged_law(np.array([0.4, 0.0, 0.5]), np.array([7.0, np.nan, np.nan]),
+                               np.array([0, 5, 5]), horizon)
+    np.testing.assert_array_equal(p_aged[:2], [0.4, 0.0])
+    assert mu_aged[0] == 7.0 and np.isnan(mu_aged[1])
+    # the uniform option: p_fin kept, mu_rem moved e closer, at least 1
+    p_u, mu_u = aged_law(np.array([0.9, 0.5]), np.array([3.0, 40.0]), np.array([5, 9]),
+                         horizon, shape="uniform")
+    np.testing.assert_array_equal(p_u, [0.9, 0.5])
+    np.testing.assert_array_equal(mu_u, [1.0, 31.0])

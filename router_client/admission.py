@@ -66,10 +66,9 @@ from .fscore import MarginTable, candidate_rows, discounts
 from .projection import (
     END_POINTS,
     END_SHAPE,
-    end_cdf,
     end_law,
-    end_rate,
     end_window,
+    expected_ends,
     mixture_moments,
     projected_loads,
 )
@@ -529,9 +528,8 @@ def expected_completions(fleet: FleetView, horizon: int, end_shape: str = END_SH
         return float(np.clip(p_fin, 0.0, 1.0).sum()) * t / horizon
     if p_fin is not None and mu_rem is not None:
         p, mu = end_law(p_fin, mu_rem, horizon)
-        if end_shape == "exponential":  # O(n H), exact
-            return (p[:, None] * end_cdf(t[None, :] / horizon,
-                                         end_rate(mu, horizon)[:, None])).sum(axis=0)
+        if end_shape == "exponential":
+            return expected_ends(p, mu, horizon)
         low, high = end_window(mu, horizon)
         return _uniform_ends(t, p, low, high - low)
     if fleet.active_c_hat is None:

@@ -226,6 +226,35 @@ def end_cdf(s: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.where(x > _EPS, rising, np.where(x < -_EPS, falling, s))
 
 
+def expected_ends(p: np.ndarray, mu: np.ndarray, horizon: int) -> np.ndarray:
+    """``sum_i p_i P(T_i <= t)`` for t = 1..H under the law of :func:`end_rate` (what
+    :func:`end_cdf` gives, summed). With ``q = e^{-|x| / H}``, ``P(T <= t) = (1 - q^t) / (1 -
+    q^H)`` for x > 0; a law with x < 0 is the mirror image of the one with rate ``|x|``,
+    ``P(T <= t) = 1 - P(T' <= H - t)``. The powers of q come from a running product, and each
+    side is one weighted sum over requests (``O(n H)`` multiplications, no exponential per
+    step)."""
+    t = np.arange(1, horizon + 1, dtype=np.float64)
+    x = end_rate(mu, horizon)
+    flat = np.abs(x) <= _EPS
+    out = float(p[flat].sum()) * t / horizon
+    if flat.all():
+        return out
+    q = np.where(flat, 0.0, np.exp(-np.abs(x) / horizon))
+    powers = np.cumprod(np.broadcast_to(q[:, None], (q.size, horizon)), axis=1)  # q^1..q^H
+    weight = np.where(flat, 0.0, p / np.where(flat, 1.0, 1.0 - powers[:, -1]))
+    rising = np.where(x > 0, weight, 0.0)
+    falling = np.where(x < 0, weight, 0.0)
+    # sum_i w_i (1 - q_i^j), j = 0..H (0 at j = 0): the rising side at j = t, the falling
+    # side's mirror at j = H - t
+    ramp = np.empty(horizon + 1)
+    ramp[0], ramp[1:] = 0.0, rising.sum() - rising @ powers
+    out += ramp[1:]
+    mirror = np.empty(horizon + 1)
+    mirror[0], mirror[1:] = 0.0, falling.sum() - falling @ powers
+    out += float(p[x < -_EPS].sum()) - mirror[horizon - 1::-1]
+    return out
+
+
 def end_quantile(u: np.ndarray, x: np.ndarray) -> np.ndarray:
     """The inverse of :func:`end_cdf`: the time (as a fraction of H) by which a share ``u`` of
     the law with rate ``x`` has ended (broadcasting)."""

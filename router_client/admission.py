@@ -66,6 +66,7 @@ from .fscore import MarginTable, candidate_rows, discounts
 from .projection import (
     END_POINTS,
     END_SHAPE,
+    EndShape,
     end_law,
     end_window,
     expected_ends,
@@ -83,7 +84,6 @@ STAGE2_ORDERS: tuple[str, ...] = get_args(Stage2Order)
 GuardRule = Literal["always", "idle"]
 GUARD_RULES: tuple[str, ...] = get_args(GuardRule)
 ZeroGammaRules = Literal["br0", "brh"]
-EndShape = Literal["exponential", "uniform"]
 END_SHAPES: tuple[str, ...] = get_args(EndShape)
 ZERO_GAMMA_RULES: tuple[str, ...] = get_args(ZeroGammaRules)
 # The decode step's fixed cost in KV tokens, b / a of T = a max L + b, where neither the

@@ -97,13 +97,6 @@ def aged_c_hat(c_hat: np.ndarray, elapsed: np.ndarray, horizon: int) -> np.ndarr
     return np.where(c_hat >= horizon, float(horizon), np.maximum(c_hat - elapsed, 1.0))
 
 
-def aged_mu_rem(mu_rem: np.ndarray, elapsed: np.ndarray) -> np.ndarray:
-    """A ``mu_rem`` answered ``elapsed`` steps ago, as of now: ``max(mu_rem - elapsed, 1)``;
-    NaN (no law given) stays NaN."""
-    mu_rem = np.asarray(mu_rem, dtype=np.float64)
-    return np.where(np.isfinite(mu_rem), np.maximum(mu_rem - elapsed, 1.0), mu_rem)
-
-
 def tokens_since(now: np.ndarray, then: np.ndarray) -> np.ndarray:
     """Decode steps since each answer was asked for, counted in the request's own tokens:
     ``now - then`` (never negative), 0 where ``then`` is -1 (no answer)."""

@@ -15,7 +15,8 @@ from typing import Literal
 import numpy as np
 
 END_POINTS = 4  # points of the spread end-time law (mixture_loads); 0: the point law
-END_SHAPE: Literal["exponential", "uniform"] = "exponential"  # end_rate; "uniform" before
+EndShape = Literal["exponential", "uniform"]
+END_SHAPE: EndShape = "exponential"  # the end-time law (end_rate); "uniform" before
 
 
 def mixture_loads(
@@ -209,8 +210,8 @@ def _mean_slope(x: np.ndarray) -> np.ndarray:
     0), always below 0."""
     small = np.abs(x) < 1e-3
     safe = np.where(small, 1.0, np.clip(x, -600.0, 600.0))
-    slope = 0.25 / np.sinh(safe / 2.0) ** 2 * -1.0 + 1.0 / safe**2
-    return np.where(small, -1.0 / 12.0 + x * x / 240.0, -slope)
+    return np.where(small, -1.0 / 12.0 + x * x / 240.0,
+                    0.25 / np.sinh(safe / 2.0) ** 2 - 1.0 / safe**2)
 
 
 def end_cdf(s: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -244,11 +245,9 @@ def expected_ends(p: np.ndarray, mu: np.ndarray, horizon: int) -> np.ndarray:
     weight = np.where(flat, 0.0, p / np.where(flat, 1.0, 1.0 - powers[:, -1]))
     rising = np.where(x > 0, weight, 0.0)
     falling = np.where(x < 0, weight, 0.0)
-    # sum_i w_i (1 - q_i^j), j = 0..H (0 at j = 0): the rising side at j = t, the falling
-    # side's mirror at j = H - t
-    ramp = np.empty(horizon + 1)
-    ramp[0], ramp[1:] = 0.0, rising.sum() - rising @ powers
-    out += ramp[1:]
+    # sum_i w_i (1 - q_i^j): the rising side at j = t; the falling side's mirror at j = H - t,
+    # for j = 0..H (0 at j = 0)
+    out += rising.sum() - rising @ powers
     mirror = np.empty(horizon + 1)
     mirror[0], mirror[1:] = 0.0, falling.sum() - falling @ powers
     out += float(p[x < -_EPS].sum()) - mirror[horizon - 1::-1]

@@ -440,10 +440,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     tuned = len(trace) - int(round(len(trace) * args.holdout))
     print(f"trace {args.trace}: tuned on the first {tuned} of {len(trace)} requests, "
           f"G={args.workers}, B={args.batch}, load {args.load}, estimator {args.estimator}")
-    print(f"{'setting':<34} {'tok/s':>9} {'x br0':>7} {'of bound':>8} {'max-min':>9} "
+    width = max(34, *(len(row["setting"]) for row in result.rows))
+    print(f"{'setting':<{width}} {'tok/s':>9} {'x br0':>7} {'of bound':>8} {'max-min':>9} "
           f"{'guard':>6}")
     for row in result.rows:  # best routing (share of the balanced bound) first
-        print(f"{row['setting']:<34} {row['throughput_tok_s']:9.1f} "
+        print(f"{row['setting']:<{width}} {row['throughput_tok_s']:9.1f} "
               f"{row['throughput_tok_s'] / reference:7.4f} {row['bound_share']:8.2%} "
               f"{row['imbalance_maxmin_mean']:9.0f} {row['starvation_guard_admissions']:6d}")
     note = abtest.uncontended_note(result.rows)
@@ -454,7 +455,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         base = result.evaluation[0]["throughput_tok_s"]
         for row in result.evaluation:
             ratio = row["throughput_tok_s"] / base
-            print(f"held out ({row['requests']} later requests): {row['setting']:<34} "
+            print(f"held out ({row['requests']} later requests): {row['setting']:<{width}} "
                   f"{row['throughput_tok_s']:9.1f} tok/s, x br0 {ratio:.4f}, "
                   f"{row['bound_share']:.2%} of bound, "
                   f"max-min {row['imbalance_maxmin_mean']:.0f}")

@@ -567,6 +567,9 @@ class GridPoint(_Closed):
         None, description="overflow weight; null: alpha * G (each step on BR-0's scale)")
     gamma: Annotated[float, Field(gt=0, le=1)] | Literal["turnover"] = Field(
         description="per-step discount, or 'turnover': from the fleet's turnover each round")
+    learned_short_pool: Annotated[bool, Field(strict=True)] = Field(
+        False, description="place a short pool by the lookahead with the learned law too "
+        "(false: as BR-0 places it)")
 
 
 class TuningIn(ReplayIn):
@@ -600,6 +603,9 @@ class Recommendation(BaseModel):
         None, description="per-step discount, or 'turnover': each round, the discount whose "
         "effective horizon is the steps between two admissions to one worker")
     estimator: str | None = None
+    learned_short_pool: bool | None = Field(
+        None, description="BR-H: a short pool placed by the lookahead with the learned law "
+        "(absent in recommendations made before 2026-12-06: the router's own setting)")
 
 
 class AbJobCreated(BaseModel):

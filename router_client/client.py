@@ -200,9 +200,14 @@ class RouterClient:
                 params = self.config.params.as_br0()
             elif advice.get("policy") == "brh":
                 beta = advice.get("beta")  # None: alpha * G
+                pool = advice.get("learned_short_pool")  # absent: the configured rule
+                if pool is not None and not isinstance(pool, bool):
+                    raise ParameterError("learned_short_pool", "must be true or false")
                 params = replace(self.config.params, horizon=int(advice["horizon"]),
                                  beta=None if beta is None else float(beta),
-                                 gamma=gamma_value(advice.get("gamma")))
+                                 gamma=gamma_value(advice.get("gamma")),
+                                 learned_short_pool=(self.config.params.learned_short_pool
+                                                     if pool is None else pool))
             else:
                 raise ParameterError("policy", f"unknown policy {advice.get('policy')!r}")
         except (KeyError, TypeError, ValueError) as exc:

@@ -65,7 +65,7 @@ def test_turnover_gamma_in_the_grid_and_the_recommendation():
     assert grid[1].params(BalanceRouteParams(gamma=0.5)).gamma is None
     assert recommendation_of(grid[1], "exact_match") == {
         "policy": "brh", "horizon": 20, "beta": None, "gamma": "turnover",
-        "estimator": "exact_match"}
+        "estimator": "exact_match", "learned_short_pool": False}
     trace = synthesize("synth:long:n=300,seed=1")
     result = tune(trace, SimConfig(workers=2, batch=8, load="backlog"), grid=grid)
     row = next(r for r in result.rows if r["policy"] != "br0")
@@ -176,6 +176,10 @@ def test_rest_tuning_publishes_its_recommendation(tmp_path):
         client.post("/v1/observations", json={"observations": observations}).raise_for_status()
         bad = client.post("/v1/tunings", json={"estimator": "nope"})
         assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "estimator"]
+        bad = client.post("/v1/tunings", json={"grid": [
+            {"horizon": 80, "gamma": "turnover", "learned_short_pool": "yes"}]})
+        assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == [
+            "body", "grid", 0, "learned_short_pool"]
         started = client.post("/v1/tunings", json={
             "workers": [2], "batch": 8, "load": "backlog", "requests": 250,
             "grid": [{"horizon": 20, "beta": 8, "gamma": 0.9}], "min_gain": 0.5})
@@ -255,6 +259,52 @@ def test_router_client_adopts_the_recommendation_at_a_refresh():
     # after BR-0 and back, BR-H keeps the router's own settings the advice does not name
     kept = router.policy.params
     assert (kept.short_pool, kept.fit_horizon, kept.stage2_order) == ("lpt", 8.0, "margin")
+    assert not kept.learned_short_pool  # an advice without the key: the router's own rule
+    predictor.advice = {**predictor.advice, "learned_short_pool": True}
+    for step in range(31, 41):
+        router.tick(now=float(step))
+    assert router.policy.params.learned_short_pool
+    assert router.policy.params.short_pool == "lpt"  # still the router's own rule for it
+    predictor.advice = {**predictor.advice, "learned_short_pool": "yes"}
+    for step in range(41, 51):
+        router.tick(now=float(step))
+    assert router.policy.params.learned_short_pool  # a malformed advice is ignored
+
+
+def test_the_short_pool_rule_in_the_grid_the_choice_and_the_recommendation():
+    """The grid may place short pools by the learned law's lookahead; tuning's choice and
+    recommendation carry the setting, and its replay routes with it."""
+    grid = parse_grid([{"horizon": 80, "gamma": "turnover", "learned_short_pool": True},
+                       {"horizon": 80, "gamma": "turnover"}])
+    assert grid[1] == Candidate("brh", 80, None, "turnover", learned_short_pool=True)
+    assert grid[2].learned_short_pool is False
+    assert grid[1].label == "brh H=80 beta=G gamma=turnover short-pool=lookahead"
+    assert grid[1].params(BalanceRouteParams()).learned_short_pool
+    assert not grid[2].params(BalanceRouteParams()).learned_short_pool
+    assert grid[2].params(BalanceRouteParams(learned_short_pool=True)).learned_short_pool
+    assert recommendation_of(grid[1], "hazard")["learned_short_pool"] is True
+    with pytest.raises(ParameterError, match=r"grid\[0\].learned_short_pool"):
+        parse_grid([{"horizon": 80, "gamma": 0.9, "learned_short_pool": "yes"}])
+    assert any(c.learned_short_pool for c in DEFAULT_GRID)
+
+    def row(pool, throughput):
+        return {"policy": "brh-hazard", "horizon": 80, "beta": None, "gamma": "turnover",
+                "learned_short_pool": pool, "throughput_tok_s": throughput,
+                "balanced_bound_tok_s": 1100.0, "imbalance_maxmin_mean": 80.0}
+
+    br0 = {**row(False, 1000.0), "policy": "br0", "imbalance_maxmin_mean": 100.0}
+    assert _choose([row(True, 1010.0), row(False, 1005.0), br0], 0.001) == grid[1]
+    assert _choose([row(False, 1010.0), row(True, 1005.0), br0], 0.001) == Candidate(
+        "brh", 80, None, "turnover")
+    # replayed: a short pool under load 0.8 is where the two rules part
+    trace = synthesize("synth:templated:n=600,seed=3")
+    result = tune(trace, SimConfig(workers=4, batch=8, load=0.8), estimator="hazard",
+                  grid=grid, windows=1)
+    rows = {r["setting"]: r for r in result.rows}
+    assert rows[grid[1].label]["learned_short_pool"] is True
+    assert rows[grid[2].label]["learned_short_pool"] is False
+    assert (rows[grid[1].label]["imbalance_maxmin_mean"]
+            != rows[grid[2].label]["imbalance_maxmin_mean"])
 
 
 def test_a_fleet_that_never_filled_is_pointed_out(capsys):

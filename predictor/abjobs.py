@@ -93,6 +93,9 @@ def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
         trace, request["policies"], request["workers"], _config(request), progress,
         params=BalanceRouteParams(stage1=request["stage1"],
                                   short_pool=request["short_pool"],
+                                  short_pool_growth=request.get(
+                                      "short_pool_growth",
+                                      BalanceRouteParams.short_pool_growth),
                                   stage2_order=request["stage2_order"],
                                   stage2_fill=request["stage2_fill"],
                                   guard=request.get("guard"),

@@ -17,6 +17,7 @@ from proxy.cli import add_commands as add_serving_commands
 from router_client.admission import (
     END_SHAPES,
     GUARD_RULES,
+    SHORT_POOL_GROWTHS,
     SHORT_POOL_RULES,
     STAGE1_RULES,
     STAGE2_ORDERS,
@@ -247,6 +248,14 @@ def _add_learned_flags(ab: argparse.ArgumentParser) -> None:
                     "where its F is highest), lpt (largest first, where its F is highest), "
                     "lpt-load (largest first onto the least-loaded, as BR-0), best-pair (the "
                     "best (worker, request) pair by F)")
+    ab.add_argument("--short-pool-growth", default=BalanceRouteParams.short_pool_growth,
+                    choices=list(SHORT_POOL_GROWTHS),
+                    help="how --short-pool's F projects the workers' growth with true lengths: "
+                    "requests (by the requests each holds now), slots (each free slot grows "
+                    "as an occupied one: a filling fleet's later arrivals even the counts out), "
+                    "filling (the default: slots while more arrivals than completions are "
+                    "expected within the window, requests otherwise) or arrivals (each free "
+                    "slot grows as the measured arrival rate is expected to fill it)")
     ab.add_argument("--fit-horizon", type=float, default=BalanceRouteParams.fit_horizon,
                     help="with --short-pool lpt-fit: a round whose effective horizon "
                     "1 / (1 - gamma) reaches this many steps places the short pool by F, as "
@@ -390,6 +399,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   expected_overflow=args.expected_overflow,
                                   learned_short_pool=args.learned_short_pool,
                                   short_pool=args.short_pool,
+                                  short_pool_growth=args.short_pool_growth,
                                   stage2_order=args.stage2_order,
                                   stage2_fill=args.stage2_fill,
                                   fit_horizon=args.fit_horizon, guard=args.guard,

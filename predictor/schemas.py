@@ -29,6 +29,7 @@ from typing_extensions import TypedDict
 from router_client.admission import (
     BalanceRouteParams,
     GuardRule,
+    ShortPoolGrowth,
     ShortPoolRule,
     Stage1Rule,
     Stage2Order,
@@ -513,6 +514,13 @@ class AbComparisonIn(ReplayIn):
         "(default: largest first onto BR-0's worker if it fits there under the current "
         "maximum, else onto the best F), lpt (largest first onto the best F), lpt-load (as "
         "BR-0), best-pair (the best pair by F)")
+    short_pool_growth: ShortPoolGrowth = Field(
+        BalanceRouteParams.short_pool_growth,
+        description="how short_pool's F projects the workers' growth with true lengths: "
+        "requests (by the requests each holds now), slots (each free slot grows as an "
+        "occupied one), filling (the default: slots while more arrivals than completions "
+        "are expected within the window, requests otherwise) or arrivals (each free slot "
+        "grows as the measured arrival rate is expected to fill it)")
     stage2_order: Stage2Order | None = Field(
         BalanceRouteParams.stage2_order,
         description="the order in which Stage 2 takes workers with free slots, BR-0 and BR-H: "

@@ -84,6 +84,8 @@ STAGE2_ORDERS: tuple[str, ...] = get_args(Stage2Order)
 GuardRule = Literal["always", "idle"]
 GUARD_RULES: tuple[str, ...] = get_args(GuardRule)
 ZeroGammaRules = Literal["br0", "brh"]
+ShortPoolGrowth = Literal["requests", "slots", "filling", "arrivals"]
+SHORT_POOL_GROWTHS: tuple[str, ...] = get_args(ShortPoolGrowth)
 END_SHAPES: tuple[str, ...] = get_args(EndShape)
 ZERO_GAMMA_RULES: tuple[str, ...] = get_args(ZeroGammaRules)
 # The decode step's fixed cost in KV tokens, b / a of T = a max L + b, where neither the
@@ -238,6 +240,24 @@ class BalanceRouteParams:
             today's BR-0 on synth:long families with short outputs it lifted BR-H's mean
             throughput from 0.9973x to 0.9986x and changed issue 10's matrix by less than
             0.03% (see the README, "BR-H's rounds at gamma 0").
+        short_pool_growth: how ``lpt-fit`` and ``lpt`` (``short_pool``) project the workers'
+            growth when they score a short pool's request by F from point lengths
+            (``c_hat`` without a law; true lengths in ``brh-oracle``):
+            ``"requests"`` (the form before 2026-12-06) by the requests each worker holds now;
+            ``"slots"`` by its slots, each free slot growing as an occupied one (the router
+            fills it: while a fleet fills, later arrivals even the counts out over a long
+            request's life, so a worker is not charged for holding more requests now), the
+            departures the lookahead sees kept; ``"filling"`` (default since 2026-12-06):
+            ``"slots"`` while the fleet fills (more arrivals expected within the window, at
+            the measured ``FleetView.arrival_rate``, than completions), ``"requests"``
+            otherwise and without a measured rate; ``"arrivals"``: each free slot grows as
+            arrivals at the measured rate are expected to fill the free slots in proportion
+            (:func:`arrival_fill_growth`), by requests without a rate (within the window few
+            slots fill, so it places nearly as ``"requests"``). On the synth:long families
+            ``"filling"`` cleared the three cells below 0.999x by share of the bound and five
+            of eleven by ``tok/s``; on issue 10's matrix (60 cells, two replicates of 4,000)
+            mean 1.0079x against 1.0072x, lowest 1.0002x against 0.9997x (see the README,
+            "A filling fleet's short pool").
     """
 
     horizon: int = 80
@@ -265,6 +285,7 @@ class BalanceRouteParams:
     step_overhead: float | None = None
     patience: int | None = DEFAULT_PATIENCE
     zero_gamma_rules: ZeroGammaRules = "br0"
+    short_pool_growth: ShortPoolGrowth = "filling"
 
     def __post_init__(self) -> None:
         if self.horizon < 0:
@@ -302,6 +323,9 @@ class BalanceRouteParams:
         if self.zero_gamma_rules not in ZERO_GAMMA_RULES:
             raise ParameterError("zero_gamma_rules",
                                  f"must be one of {', '.join(ZERO_GAMMA_RULES)}")
+        if self.short_pool_growth not in SHORT_POOL_GROWTHS:
+            raise ParameterError("short_pool_growth",
+                                 f"must be one of {', '.join(SHORT_POOL_GROWTHS)}")
         if self.step_overhead is not None and not self.step_overhead >= 0:
             raise ParameterError("step_overhead", "must be >= 0 KV tokens (or None)")
         if not self.lpt_count_weight >= 0:
@@ -446,6 +470,20 @@ def build_table(fleet: FleetView, params: BalanceRouteParams,
         gamma = turnover_gamma(fleet, params.horizon, params.turnover_scale,
                                end_shape=params.end_shape)
     return MarginTable(loads, discounts(params.horizon, gamma), params.alpha, beta, spread)
+
+
+def arrival_fill_growth(free: float, rate: float | None, horizon: int) -> np.ndarray | None:
+    """The expected growth of one of ``free`` free slots by each step h = 0..``horizon``
+    when arrivals at ``rate`` a step fill the free slots in proportion (a slot taken by step t
+    with chance min(1, rate t / free), growing a token a step after): the integral of that
+    chance from 0 to h, ``rate h^2 / (2 free)`` until ``free / rate`` steps, then
+    ``h - free / (2 rate)``. None without a positive rate or a free slot
+    (``short_pool_growth="arrivals"``)."""
+    if rate is None or not rate > 0 or not free > 0:
+        return None
+    steps = np.arange(horizon + 1, dtype=np.float64)
+    fill = free / rate  # steps until the free slots are all taken
+    return np.where(steps <= fill, rate * steps**2 / (2.0 * free), steps - fill / 2.0)
 
 
 TURNOVER = "turnover"  # a recommendation's or grid point's gamma for ``gamma=None``
@@ -677,6 +715,8 @@ class _Round:
         self.threshold = 0 if whole else params.s_greedy
         self.out: list[Assignment] = []
         self.exact = False
+        self._growth: np.ndarray | None = None  # see _slot_growth
+        self._growth_known = False
 
     def score(self, worker: int, indices: list[int]) -> np.ndarray:
         if self.rows is not None:
@@ -815,12 +855,54 @@ class _Round:
         """The open worker where request ``index`` scores the highest F (ties: lower load,
         lower index)."""
         open_workers = np.flatnonzero(self.free > 0)
-        if self.rows is not None:
+        curve = self._slot_growth() if self.table.spread is None else None
+        if self.rows is not None and curve is not None:
+            scores = self._slot_growth_scores(open_workers, self.rows[index], curve)
+        elif self.rows is not None:
             scores = self.table.score_row_workers(open_workers, self.rows[index])
         else:
             scores = np.array([float(self.score(int(g), [index])[0]) for g in open_workers])
         order = np.lexsort((open_workers, self.table.loads[open_workers, 0], -scores))
         return int(open_workers[order[0]])
+
+    def _slot_growth(self) -> np.ndarray | None:
+        """How much one free slot is projected to grow by each step of the window, when this
+        short pool's F projects growth by slots (``short_pool_growth``), else None: ``h``
+        for ``"slots"`` (and ``"filling"`` while the fleet fills); for ``"arrivals"`` the
+        expected growth of a slot filled by arrivals at the measured rate, shared over the
+        free slots in proportion: with F free slots and rate lambda, a slot is taken by step
+        t with chance min(1, lambda t / F) and grows a token a step after, so by step h it
+        has grown the integral of that chance, lambda h^2 / (2F) until F / lambda, then
+        h - F / (2 lambda)."""
+        rule = self.params.short_pool_growth
+        if rule == "requests" or not self.short_pool:
+            return None
+        if self._growth_known:  # computed once a round
+            return self._growth
+        rate = self.fleet.arrival_rate
+        growth: np.ndarray | None = np.arange(self.params.horizon + 1, dtype=np.float64)
+        if rule == "filling":
+            ends = expected_completions(self.fleet, self.params.horizon, self.params.end_shape)
+            if not (rate is not None and ends is not None
+                    and rate * self.params.horizon > float(ends[-1])):
+                growth = None
+        elif rule == "arrivals":
+            growth = arrival_fill_growth(float(self.free.sum()), rate, self.params.horizon)
+        self._growth, self._growth_known = growth, True
+        return growth
+
+    def _slot_growth_scores(self, workers: np.ndarray, row: np.ndarray,
+                            curve: np.ndarray) -> np.ndarray:
+        """F of ``row`` on each of ``workers`` with every free slot projected to grow by
+        ``curve`` (``short_pool_growth``; ``h`` for ``"slots"``): each worker's loads plus
+        ``free * curve``, the slot the request itself takes left out of its own worker's (its
+        row carries its growth), against the envelope of the fleet so projected."""
+        table = self.table
+        loads = table.loads + self.free[:, None] * curve[None, :]
+        envelope = loads.max(axis=0)
+        own = loads[workers] - curve[None, :]
+        over = np.maximum(0.0, row[None, :] - (envelope[None, :] - own))
+        return table.alpha * float(row @ table.d) - table.beta * (over * table.d).sum(axis=1)
 
     def stage2(self) -> None:
         """Workers with free slots in ``params.effective_stage2_order`` (``slots``: most free

@@ -51,28 +51,35 @@ def test_rest_comparison_equals_the_cli(tmp_path):
     assert rest == cli
 
 
-def test_rest_comparison_takes_the_short_pool_rule_as_the_cli_does(tmp_path):
-    """``short_pool`` reaches BR-H as ``--short-pool`` does: the REST rows with
-    ``best-pair`` equal the CLI's with ``--short-pool best-pair`` (and differ from ``lpt``'s:
-    below saturation the two rules place short pools differently)."""
+@pytest.mark.parametrize("field, other, value", [
+    # below saturation the two short-pool rules place short pools differently
+    ("short_pool", "lpt", "best-pair"),
+    # and so do the two projections of the workers' growth there (by F)
+    ("short_pool_growth", "requests", "slots"),
+])
+def test_rest_comparison_takes_the_short_pool_rules_as_the_cli_does(tmp_path, field, other,
+                                                                    value):
+    """``short_pool`` and ``short_pool_growth`` reach BR-H as ``--short-pool`` and
+    ``--short-pool-growth`` do: the REST rows with ``value`` equal the CLI's with the flag
+    set to it, and differ from the REST rows with ``other``."""
     content = csv_trace(n=400, seed=5)
     (tmp_path / "t.csv").write_text(content)
     rows = {}
     with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'sp.db'}"))) as c:
-        for rule in ("lpt", "best-pair"):
+        for rule in (other, value):
             body = {"policies": ["brh-oracle"], "workers": [4], "batch": 8, "load": 0.8,
-                    "short_pool": rule, "trace": {"format": "csv", "content": content}}
+                    field: rule, "trace": {"format": "csv", "content": content}}
             job = wait(c, c.post("/v1/ab-comparisons", json=body).json()["id"])
             assert job["status"] == "done", job
             rows[rule] = job["results"]
     main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "brh-oracle", "--workers",
-          "4", "--batch", "8", "--load", "0.8", "--short-pool", "best-pair", "--quiet",
-          "--json", str(tmp_path / "cli.json")])
+          "4", "--batch", "8", "--load", "0.8", "--" + field.replace("_", "-"), value,
+          "--quiet", "--json", str(tmp_path / "cli.json")])
     cli = json.loads((tmp_path / "cli.json").read_text())
-    for row in cli + rows["best-pair"] + rows["lpt"]:
+    for row in cli + rows[value] + rows[other]:
         row.pop("sim_wall_s")
-    assert rows["best-pair"] == cli
-    assert rows["lpt"] != rows["best-pair"]
+    assert rows[value] == cli
+    assert rows[other] != rows[value]
 
 
 def test_rest_comparison_takes_the_stage2_order_as_the_cli_does(tmp_path):
@@ -175,6 +182,7 @@ def test_replaying_the_services_own_observations(tmp_path):
     ({"source": "observations", "load": 0}, "load"),
     ({"source": "observations", "workers": [0]}, "workers"),
     ({"source": "observations", "short_pool": "largest"}, "short_pool"),
+    ({"source": "observations", "short_pool_growth": "tokens"}, "short_pool_growth"),
     ({"source": "observations", "stage2_order": "load"}, "stage2_order"),
     ({"source": "observations", "stage2_fill": "maybe"}, "stage2_fill"),
     ({"source": "observations", "guard": "never"}, "guard"),

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+from scipy.integrate import quad
 from scipy.optimize import brentq
 
 from proxy.dispatcher import RankMaskPolicy
@@ -11,6 +12,7 @@ from router_client.admission import (
     DEFAULT_STEP_OVERHEAD,
     STAGE1_RULES,
     BalanceRouteParams,
+    arrival_fill_growth,
     build_table,
     route_round,
     turnover_gamma,
@@ -914,3 +916,83 @@ def test_expected_completions_under_the_exponential_law_match_numerical_integrat
         direct += p * np.array([quad(lambda u, x=x: np.exp(-x * u), 0, k / horizon)[0] / norm
                                 for k in t])
     assert expected_completions(fleet, horizon) == pytest.approx(direct, abs=1e-6)
+
+
+def test_short_pool_growth_by_slots_does_not_charge_a_worker_for_its_count():
+    """A filling fleet (capacity 8): worker 0 at 380 tokens with 7 long requests, worker 1
+    at 400 with 1. A 100-token request fits under the maximum nowhere (worker 0's margin is
+    20), so ``lpt-fit`` scores it by F. By the requests held now worker 0 grows 7 tokens a
+    step against 1 and passes worker 1 after 3 steps: overflows (100 + h) - margin are 80,
+    87, 94, 101, then 104-110 on worker 0 against 100-103, then 100, 95, ..., 70 on worker 1:
+    the lookahead takes worker 1, a raise of the maximum now (500 against 480). By slots
+    (each free slot grows as an occupied one: both workers grow 8 a step) worker 0 stays 20
+    under worker 1 and its overflow is 80 at every step against 100: worker 0, BR-0's choice.
+    A long pool is not a short pool: the option changes nothing there."""
+    sizes = np.array([60.0, 60.0, 60.0, 50.0, 50.0, 50.0, 50.0, 400.0])
+    workers = np.array([0, 0, 0, 0, 0, 0, 0, 1])
+    loads = np.array([380.0, 400.0])
+    fleet = FleetView(8, loads, np.array([7, 1]), workers, sizes,
+                      active_c_hat=np.full(8, 100.0))
+    params = BalanceRouteParams(horizon=10, gamma=0.9, short_pool_growth="requests")
+    pool = [WaitingRequest("a", 100)]
+    assert [a.worker for a in route_round(fleet, pool, params)[0]] == [1]
+    # the default, "filling", without a measured arrival rate: by requests
+    default = BalanceRouteParams(horizon=10, gamma=0.9)
+    assert default.short_pool_growth == "filling"
+    assert [a.worker for a in route_round(fleet, pool, default)[0]] == [1]
+    slots = replace(params, short_pool_growth="slots")
+    assert [a.worker for a in route_round(fleet, pool, slots)[0]] == [0]
+    assert [a.worker for a in route_round(fleet, pool, BalanceRouteParams.br0())[0]] == [0]
+    long_pool = [WaitingRequest(str(i), 100) for i in range(9)]  # 9 > 8 free slots
+    assert route_round(fleet, long_pool, params)[0] == route_round(fleet, long_pool, slots)[0]
+    # "filling": by slots only while more arrivals are expected within the window than
+    # completions (none of these 8 requests ends within it)
+    filling = replace(params, short_pool_growth="filling")
+    for rate, worker in ((None, 1), (0.0, 1), (0.05, 0)):  # 0.05 a step: 0.5 arrivals in 10
+        view = replace(fleet, arrival_rate=rate)
+        assert [a.worker for a in route_round(view, pool, filling)[0]] == [worker]
+    # worker 1's request ends at step 9: 1 completion within the window against 0.5
+    # arrivals, so not filling: by requests (worker 1), where by slots it is worker 0
+    ending = replace(fleet, active_c_hat=np.array([100.0] * 7 + [9.0]), arrival_rate=0.05)
+    assert [a.worker for a in route_round(ending, pool, params)[0]] == [1]
+    assert [a.worker for a in route_round(ending, pool, slots)[0]] == [0]
+    assert [a.worker for a in route_round(ending, pool, filling)[0]] == [1]
+    with pytest.raises(ParameterError, match="short_pool_growth"):
+        BalanceRouteParams(short_pool_growth="nope")  # type: ignore[arg-type]
+
+
+def test_arrival_fill_growth_is_the_integral_of_the_chance_a_slot_is_taken():
+    """A free slot's expected growth under ``short_pool_growth="arrivals"``: 8 free slots
+    filled at 2 arrivals a step are all taken by step 4, so a slot has grown 2 * 3^2 / 16 =
+    1.125 tokens by step 3 and 10 - 2 = 8 by step 10; against numerical integration of
+    min(1, rate t / free) for other rates; None without a rate or a free slot."""
+    growth = arrival_fill_growth(8, 2.0, 10)
+    assert growth is not None
+    assert growth[3] == pytest.approx(1.125) and growth[10] == pytest.approx(8.0)
+    for free, rate in ((8, 0.05), (8, 100.0), (37, 1.3), (1, 0.2)):
+        got = arrival_fill_growth(free, rate, 20)
+        assert got is not None
+        want = [quad(lambda t, r=rate, f=free: min(1.0, r * t / f), 0, h,
+                     points=[free / rate])[0]
+                for h in range(21)]
+        assert got == pytest.approx(want, abs=1e-9)
+    assert arrival_fill_growth(8, None, 10) is None
+    assert arrival_fill_growth(8, 0.0, 10) is None
+    assert arrival_fill_growth(0, 1.0, 10) is None
+
+
+def test_short_pool_growth_by_arrivals_charges_the_free_slots_as_the_arrivals_fill_them():
+    """The fleet of the test above (8 free slots, a 100-token request that fits nowhere).
+    At 0.05 arrivals a step a free slot grows 0.31 tokens in the 10-step window: nearly the
+    rule by requests, worker 1; at 0.5 a step it grows 3.1, enough that worker 0's 1 free
+    slot against worker 1's 7 no longer charges worker 0 for its count: worker 0, as by
+    slots. Without a measured rate: by requests."""
+    sizes = np.array([60.0, 60.0, 60.0, 50.0, 50.0, 50.0, 50.0, 400.0])
+    workers = np.array([0, 0, 0, 0, 0, 0, 0, 1])
+    fleet = FleetView(8, np.array([380.0, 400.0]), np.array([7, 1]), workers, sizes,
+                      active_c_hat=np.full(8, 100.0))
+    params = BalanceRouteParams(horizon=10, gamma=0.9, short_pool_growth="arrivals")
+    pool = [WaitingRequest("a", 100)]
+    for rate, worker in ((None, 1), (0.05, 1), (0.5, 0), (100.0, 0)):
+        view = replace(fleet, arrival_rate=rate)
+        assert [a.worker for a in route_round(view, pool, params)[0]] == [worker]

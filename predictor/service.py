@@ -86,6 +86,8 @@ class PredictorService:
         for estimator in self.estimators.values():
             if hasattr(estimator, "fit_deferred"):  # fits outside the lock queries take
                 estimator.defer_fits = True  # type: ignore[attr-defined]
+            if hasattr(estimator, "fit_in_subprocess"):  # and outside the interpreter
+                estimator.fit_in_subprocess = s.hazard_fit_process
         self.auto = s.auto_estimator if s.auto_estimator in self.estimators else next(
             iter(self.estimators))
         self.auto_queries = 0

@@ -60,6 +60,8 @@ calibrated where it has data; ``p_fin`` is a product of them. Measured on the sh
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Any, Self
@@ -70,8 +72,11 @@ from threadpoolctl import threadpool_limits
 
 from .base import BaseEstimator, Estimate, Features, Outcomes
 from .exact_match import ExactMatchEstimator
+from .fit_worker import FitProcess, FitProcessError
 from .km import residual_from_terms
 from .survival import TAIL_AT_RISK, SurvivalEstimator
+
+log = logging.getLogger(__name__)
 
 MAX_TOKENS = 1 << 20
 KEY_PRIOR = 1.0  # m0: pseudo-observations of the global mean in a key's shrunk mean
@@ -373,6 +378,13 @@ class HazardEstimator(BaseEstimator):
         if self.keyed_ is not None:
             self.keyed_.refresh_deferred()
 
+    # A service runs the booster's fits in a process of their own (``fit_process``): on a thread
+    # they share the interpreter with the queries, whose P99 doubled while they ran. The fit
+    # is the same function on the same snapshot either way (deterministic: one thread,
+    # ``random_state=0``), so the models are identical; a failed process falls back to the
+    # thread. Off by default (the simulator, the CLI's offline runs and the tests fit here).
+    fit_in_subprocess = False
+
     # A service must not hold the lock its queries take during a fit (about a second): it
     # sets ``defer_fits`` and calls :meth:`fit_deferred` after each ingested batch, which fits
     # outside the lock on a snapshot taken under it. The schedule (which batch triggers a fit,
@@ -448,18 +460,15 @@ class HazardEstimator(BaseEstimator):
     def _fit_model(self, snapshot) -> tuple[HistGradientBoostingClassifier, int, int] | None:
         if snapshot is None:
             return None
-        data, durations, events, outcomes = snapshot
-        owner, bins, target, weight = person_period(np.minimum(durations, MAX_TOKENS), events,
-                                                    self.edges_)
-        if target.all() or not target.any():
-            return None  # one class only: nothing a classifier can learn yet
-        model = HistGradientBoostingClassifier(
-            max_iter=self.max_iter, learning_rate=self.learning_rate,
-            max_leaf_nodes=self.max_leaf_nodes, min_samples_leaf=self.min_samples_leaf,
-            early_stopping=False, random_state=0)
-        with threadpool_limits(1):  # deterministic, and no oversubscription of shared cores
-            model.fit(self._design(bins, data[owner]), target, sample_weight=weight)
-        return model, int(bins.max()) + 1, int(outcomes)  # the outcomes, not the running
+        params = {"max_iter": self.max_iter, "learning_rate": self.learning_rate,
+                  "max_leaf_nodes": self.max_leaf_nodes,
+                  "min_samples_leaf": self.min_samples_leaf}
+        if self.fit_in_subprocess:
+            try:
+                return fit_process().call(snapshot, self.edges_, params)
+            except FitProcessError as error:  # fit here rather than not at all
+                log.warning("%s: fitting on this thread", error)
+        return fit_booster(snapshot, self.edges_, params)
 
     def _install(self, fitted: tuple[HistGradientBoostingClassifier, int, int]) -> None:
         self.model_, self.trained_bins_, self.n_fitted_ = fitted
@@ -469,8 +478,7 @@ class HazardEstimator(BaseEstimator):
         self._rewarm(previous)
 
     def _design(self, bins: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        position = np.log1p(self.edges_[bins].astype(np.float64))
-        return np.column_stack([position, rows[:, :3], position - rows[:, 3]])
+        return design_matrix(self.edges_, bins, rows)
 
     def predict(self, features: Features, horizon: int) -> Estimate:
         if self.model_ is None:
@@ -557,3 +565,50 @@ WARM_GROUPS = 2048
 def _log_prompt(tokens: np.ndarray) -> np.ndarray:
     tokens = np.asarray(tokens, dtype=np.float64)
     return np.where(tokens >= 0, np.log1p(np.maximum(tokens, 0.0)), UNKNOWN_PROMPT)
+
+
+def design_matrix(edges: np.ndarray, bins: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The booster's rows: log1p of each bin's start, the row's first three features and the
+    bin's position against the row's fourth (its key's mean log length)."""
+    position = np.log1p(edges[bins].astype(np.float64))
+    return np.column_stack([position, rows[:, :3], position - rows[:, 3]])
+
+
+def fit_booster(snapshot: tuple[np.ndarray, np.ndarray, np.ndarray, int], edges: np.ndarray,
+                params: dict[str, Any]) -> tuple[HistGradientBoostingClassifier, int, int] | None:
+    """Fit the discrete-time hazard booster on a snapshot (``HazardEstimator._due_snapshot``):
+    the model, the bins it was trained on and the finished requests it saw; None with one
+    class only (nothing a classifier can learn yet). A module-level function, so that a fit
+    process can run it."""
+    data, durations, events, outcomes = snapshot
+    owner, bins, target, weight = person_period(np.minimum(durations, MAX_TOKENS), events,
+                                                edges)
+    if target.all() or not target.any():
+        return None
+    model = HistGradientBoostingClassifier(**params, early_stopping=False, random_state=0)
+    with threadpool_limits(1):  # deterministic, and no oversubscription of shared cores
+        model.fit(design_matrix(edges, bins, data[owner]), target, sample_weight=weight)
+    return model, int(bins.max()) + 1, int(outcomes)  # the outcomes, not the running
+
+
+_fit_process: FitProcess | None = None
+_fit_process_lock = threading.Lock()
+
+
+def fit_process() -> FitProcess:
+    """The process that runs the hazard fits of every service in this interpreter
+    (:mod:`predictor.estimators.fit_worker`), started at the first fit and kept."""
+    global _fit_process
+    with _fit_process_lock:
+        if _fit_process is None:
+            _fit_process = FitProcess()
+        return _fit_process
+
+
+def reset_fit_process() -> None:
+    """Stop the fit process; the next fit starts another."""
+    global _fit_process
+    with _fit_process_lock:
+        process, _fit_process = _fit_process, None
+    if process is not None:
+        process.close()

@@ -1,14 +1,19 @@
 """Shrunk ExactMatch, the hazard model, and the offline calibration command."""
 
 import json
+import os
+import signal
+import threading
 
 import numpy as np
 import pytest
 
 from predictor.cli import main
 from predictor.estimators import ExactMatchEstimator, Features, HazardEstimator, Outcomes
+from predictor.estimators import hazard as hazard_module
 from predictor.estimators.exact_match import estimate_prior_weight, length_bin
-from predictor.estimators.hazard import Curves, bin_edges, person_period
+from predictor.estimators.fit_worker import FitProcessError
+from predictor.estimators.hazard import Curves, bin_edges, person_period, reset_fit_process
 from predictor.estimators.km import KaplanMeier, residual_life
 
 
@@ -215,3 +220,52 @@ def test_hazard_learns_from_the_requests_still_running():
     assert (blind.predict(Features.of(ages), 80).p_fin - truth).min() > 0.09
     # what the model counts as observed stays the finished ones (its window's 4,000)
     assert est.n_fitted_ == blind.n_fitted_ == min(int(done.sum()), 4000)
+
+
+def test_hazard_fits_in_a_process_of_their_own_give_the_same_model():
+    """``fit_in_subprocess`` (the service's default, ``hazard_fit_process``) fits the booster
+    in a worker process (:mod:`predictor.estimators.fit_worker`): the same answers, to the
+    bit, as the fits on this thread, over several fits (deferred as a service defers them).
+    A worker that died is replaced at the next fit; a fit the worker cannot do falls back to
+    this thread."""
+    rng = np.random.default_rng(6)
+    keys = rng.integers(0, 40, 2400)
+    centres = np.exp(rng.uniform(2, 6, 40))
+    lengths = np.maximum(1, (centres[keys] * rng.lognormal(0, 0.3, 2400)).astype(int))
+    prompts = rng.integers(100, 4000, 2400)
+    features = Features.of([0, 0, 7], ["k1", "k2", "new"], prompt_tokens=[300, 900, 2000])
+    lock = threading.RLock()
+
+    def fitted(in_process: bool) -> HazardEstimator:
+        est = HazardEstimator(window=4000, refit_every=600, min_fit=100, max_iter=40)
+        est.fit_in_subprocess = in_process
+        est.defer_fits = True
+        for start in range(0, 2400, 600):
+            part = slice(start, start + 600)
+            est.partial_fit(Outcomes.of(lengths[part], prompt_key=[f"k{k}" for k in keys[part]],
+                                        prompt_tokens=prompts[part]))
+            assert est.fit_deferred(lock)
+        assert est.n_fits_ == 4
+        return est
+
+    reset_fit_process()
+    here = fitted(False).predict(features, 80)
+    assert hazard_module._fit_process is None  # no worker for fits on this thread
+    answers = [fitted(True).predict(features, 80)]
+    worker = hazard_module.fit_process()
+    first = worker.pid
+    assert first is not None and first != os.getpid()
+    os.kill(first, signal.SIGKILL)  # a worker gone: the next fit starts another
+    answers.append(fitted(True).predict(features, 80))
+    assert worker.pid not in (None, first)
+    for answer in answers:
+        np.testing.assert_array_equal(answer.c_hat, here.c_hat)
+        np.testing.assert_array_equal(answer.p_fin, here.p_fin)
+    with pytest.raises(FitProcessError, match="the fit failed in the fit process"):
+        worker.call(None, None, {})  # a snapshot the worker cannot fit: reported, not fatal
+    est = HazardEstimator(min_fit=50, max_iter=5)
+    est.fit_in_subprocess = True
+    est.max_iter = -1  # the booster rejects it in the worker, and on this thread
+    with pytest.raises(ValueError, match="max_iter"):
+        est.partial_fit(Outcomes.of(lengths[:200], prompt_tokens=prompts[:200]))
+    reset_fit_process()

@@ -248,8 +248,9 @@ class BalanceRouteParams:
             fills it: while a fleet fills, later arrivals even the counts out over a long
             request's life, so a worker is not charged for holding more requests now), the
             departures the lookahead sees kept; ``"filling"`` (default since 2026-12-06):
-            ``"slots"`` while the fleet fills (more arrivals expected within the window, at
-            the measured ``FleetView.arrival_rate``, than completions), ``"requests"``
+            ``"slots"`` while more arrivals are expected within the window (at the measured
+            ``FleetView.arrival_rate``) than completions, a fleet filling up or a full one at
+            load 1.0 and above (whose freed slots are refilled soon), ``"requests"``
             otherwise and without a measured rate; ``"arrivals"``: each free slot grows as
             arrivals at the measured rate are expected to fill the free slots in proportion
             (:func:`arrival_fill_growth`), by requests without a rate (within the window few

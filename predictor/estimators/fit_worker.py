@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import select
 import struct
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from typing import IO, Any
 log = logging.getLogger(__name__)
 
 FIT_NICE = 10  # the worker yields the CPU to the service's queries while both want to run
+FIT_TIMEOUT_S = 300.0
 _HEADER = struct.Struct("<Q")
 
 
@@ -49,9 +51,14 @@ def _read(stream: IO[bytes]) -> Any:
 
 
 class FitProcess:
-    """One worker process, started at the first fit and kept; calls are serialized."""
+    """One worker process, started at the first fit and kept; calls are serialized. A call
+    the worker has not answered within ``timeout_s`` seconds (a fit takes about one on 5,000
+    observations) stops it: a hung worker must not hold the service's fits forever."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = FIT_TIMEOUT_S,
+                 command: list[str] | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.command = command or [sys.executable, "-m", "predictor.estimators._fit_main"]
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -65,13 +72,15 @@ class FitProcess:
         with self._lock:
             try:
                 if self._proc is None or self._proc.poll() is not None:
-                    self._proc = subprocess.Popen(
-                        [sys.executable, "-m", "predictor.estimators._fit_main"],
-                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                    self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE,
+                                                  stdout=subprocess.PIPE)
                 stdin, stdout = self._proc.stdin, self._proc.stdout
                 if stdin is None or stdout is None:  # not reached: both are pipes
                     raise OSError("the fit process has no pipes")
                 _write(stdin, (snapshot, edges, params))
+                ready, _, _ = select.select([stdout], [], [], self.timeout_s)
+                if not ready:
+                    raise TimeoutError(f"no answer within {self.timeout_s:g} s")
                 status, value = _read(stdout)
             except (OSError, EOFError, pickle.PickleError) as error:
                 self._stop()
@@ -82,17 +91,21 @@ class FitProcess:
 
     def close(self) -> None:
         with self._lock:
-            self._stop()
+            self._stop(graceful=True)
 
-    def _stop(self) -> None:
+    def _stop(self, graceful: bool = False) -> None:
+        """Stop the worker: at its closed stdin (``graceful``, waiting up to 5 s), else at
+        once (a worker that failed or hung has nothing to finish)."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
+        if not graceful:
+            proc.kill()
         for stream in (proc.stdin, proc.stdout):
             if stream is not None:
                 stream.close()
         try:
-            proc.wait(timeout=5)  # the worker ends at the closed stdin
+            proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import sys
 import threading
 
 import numpy as np
@@ -12,7 +13,7 @@ from predictor.cli import main
 from predictor.estimators import ExactMatchEstimator, Features, HazardEstimator, Outcomes
 from predictor.estimators import hazard as hazard_module
 from predictor.estimators.exact_match import estimate_prior_weight, length_bin
-from predictor.estimators.fit_worker import FitProcessError
+from predictor.estimators.fit_worker import FitProcess, FitProcessError
 from predictor.estimators.hazard import Curves, bin_edges, person_period, reset_fit_process
 from predictor.estimators.km import KaplanMeier, residual_life
 
@@ -269,3 +270,17 @@ def test_hazard_fits_in_a_process_of_their_own_give_the_same_model():
     with pytest.raises(ValueError, match="max_iter"):
         est.partial_fit(Outcomes.of(lengths[:200], prompt_tokens=prompts[:200]))
     reset_fit_process()
+
+
+def test_a_fit_worker_that_does_not_answer_is_stopped():
+    """A worker that hangs (here one that never reads its frames) is killed after
+    ``timeout_s`` and reported as :class:`FitProcessError`, on which the estimator fits on its
+    own thread; the next call starts a new worker."""
+    hung = FitProcess(timeout_s=0.5, command=[sys.executable, "-c",
+                                              "import time; time.sleep(60)"])
+    with pytest.raises(FitProcessError, match="no answer within 0.5 s"):
+        hung.call(None, None, {})
+    assert hung.pid is None  # stopped
+    with pytest.raises(FitProcessError, match="no answer"):
+        hung.call(None, None, {})  # a new worker, which hangs as well
+    hung.close()

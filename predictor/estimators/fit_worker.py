@@ -112,7 +112,8 @@ class FitProcess:
 
 
 def main() -> None:
-    """The worker: answer fits until stdin closes."""
+    """The worker: answer fits until stdin closes (or, mid-fit, stdout: the service has
+    stopped, and nobody waits for the answer)."""
     try:
         os.nice(FIT_NICE)
     except OSError:  # not permitted here: the fits run at the service's priority
@@ -130,4 +131,8 @@ def main() -> None:
             reply: tuple[str, Any] = ("ok", fit_booster(snapshot, edges, params))
         except Exception as error:  # reported to the service, which fits on its thread
             reply = ("error", f"{type(error).__name__}: {error}")
-        _write(stdout, reply)
+        try:
+            _write(stdout, reply)
+        except BrokenPipeError:  # no flush at exit into the closed pipe either
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+            return

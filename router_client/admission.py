@@ -874,21 +874,21 @@ class _Round:
         free slots in proportion: with F free slots and rate lambda, a slot is taken by step
         t with chance min(1, lambda t / F) and grows a token a step after, so by step h it
         has grown the integral of that chance, lambda h^2 / (2F) until F / lambda, then
-        h - F / (2 lambda)."""
+        h - F / (2 lambda), F the free slots at this placement."""
         rule = self.params.short_pool_growth
         if rule == "requests" or not self.short_pool:
             return None
-        if self._growth_known:  # computed once a round
-            return self._growth
         rate = self.fleet.arrival_rate
+        if rule == "arrivals":  # the free slots left at this placement (each takes one)
+            return arrival_fill_growth(float(self.free.sum()), rate, self.params.horizon)
+        if self._growth_known:  # "slots" and "filling": the same all round
+            return self._growth
         growth: np.ndarray | None = np.arange(self.params.horizon + 1, dtype=np.float64)
         if rule == "filling":
             ends = expected_completions(self.fleet, self.params.horizon, self.params.end_shape)
             if not (rate is not None and ends is not None
                     and rate * self.params.horizon > float(ends[-1])):
                 growth = None
-        elif rule == "arrivals":
-            growth = arrival_fill_growth(float(self.free.sum()), rate, self.params.horizon)
         self._growth, self._growth_known = growth, True
         return growth
 

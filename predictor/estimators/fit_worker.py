@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from typing import IO, Any
 
 log = logging.getLogger(__name__)
@@ -50,15 +51,61 @@ def _read(stream: IO[bytes]) -> Any:
     return pickle.loads(data)  # noqa: S301 - our own worker's frames, over a private pipe
 
 
+def _send(fd: int, data: bytes, deadline: float) -> None:
+    """Write all of ``data`` to the non-blocking ``fd`` by ``deadline`` (monotonic)."""
+    view = memoryview(data)
+    while view:
+        _wait(fd, deadline, write=True)
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            continue
+
+
+def _receive(fd: int, size: int, deadline: float) -> bytes:
+    """Read exactly ``size`` bytes from the non-blocking ``fd`` by ``deadline``."""
+    chunks: list[bytes] = []
+    while size:
+        _wait(fd, deadline, write=False)
+        try:
+            chunk = os.read(fd, min(size, 1 << 20))
+        except BlockingIOError:
+            continue
+        if not chunk:
+            raise EOFError("the fit process closed its pipe")
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def _wait(fd: int, deadline: float, write: bool) -> None:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("no answer in time")
+    ready = select.select([], [fd], [], remaining)[1] if write else \
+        select.select([fd], [], [], remaining)[0]
+    if not ready:
+        raise TimeoutError("no answer in time")
+
+
 class FitProcess:
-    """One worker process, started at the first fit and kept; calls are serialized. A call
-    the worker has not answered within ``timeout_s`` seconds (a fit takes about one on 5,000
-    observations) stops it: a hung worker must not hold the service's fits forever."""
+    """One worker process, started at the first fit and kept; calls are serialized.
+
+    A call that has not been answered within ``timeout_s`` seconds (a fit takes about one on
+    5,000 observations), the request's sending included, stops the worker: a hung worker
+    must not hold the service's fits forever. After ``MAX_FAILURES`` failed calls in a row
+    (a worker that cannot start, say, where ``sys.executable`` is not a Python) the process
+    is given up for good and every call fails at once, so that the estimator fits on its own
+    thread without a process started per fit."""
+
+    MAX_FAILURES = 3
 
     def __init__(self, timeout_s: float = FIT_TIMEOUT_S,
                  command: list[str] | None = None) -> None:
         self.timeout_s = timeout_s
-        self.command = command or [sys.executable, "-m", "predictor.estimators._fit_main"]
+        self.command = command or [sys.executable or "python", "-m",
+                                   "predictor.estimators._fit_main"]
+        self.failures = 0
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -66,28 +113,56 @@ class FitProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    @property
+    def given_up(self) -> bool:
+        return self.failures >= self.MAX_FAILURES
+
     def call(self, snapshot: Any, edges: Any, params: dict[str, Any]) -> Any:
         """``fit_booster(snapshot, edges, params)`` in the worker; :class:`FitProcessError`
         if that fails (the worker is then stopped, and the next call starts another)."""
         with self._lock:
+            if self.given_up:
+                raise FitProcessError(f"the fit process was given up after {self.failures} "
+                                      "failures in a row")
             try:
-                if self._proc is None or self._proc.poll() is not None:
-                    self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE,
-                                                  stdout=subprocess.PIPE)
-                stdin, stdout = self._proc.stdin, self._proc.stdout
-                if stdin is None or stdout is None:  # not reached: both are pipes
-                    raise OSError("the fit process has no pipes")
-                _write(stdin, (snapshot, edges, params))
-                ready, _, _ = select.select([stdout], [], [], self.timeout_s)
-                if not ready:
-                    raise TimeoutError(f"no answer within {self.timeout_s:g} s")
-                status, value = _read(stdout)
-            except (OSError, EOFError, pickle.PickleError) as error:
-                self._stop()
-                raise FitProcessError(f"the fit process failed: {error}") from error
+                deadline = time.monotonic() + self.timeout_s
+                proc = self._started()
+                data = pickle.dumps((snapshot, edges, params), pickle.HIGHEST_PROTOCOL)
+                _send(proc.stdin.fileno(), _HEADER.pack(len(data)) + data,  # type: ignore[union-attr]
+                      deadline)
+                out = proc.stdout.fileno()  # type: ignore[union-attr]
+                (size,) = _HEADER.unpack(_receive(out, _HEADER.size, deadline))
+                status, value = pickle.loads(_receive(out, size, deadline))  # noqa: S301
+            except TimeoutError:
+                self._failed()
+                raise FitProcessError(f"the fit process gave no answer within "
+                                      f"{self.timeout_s:g} s") from None
+            except Exception as error:  # any failure: stop it, and the caller fits itself
+                self._failed()
+                raise FitProcessError(f"the fit process failed: {error!r}") from error
+            self.failures = 0
             if status != "ok":
                 raise FitProcessError(f"the fit failed in the fit process: {value}")
             return value
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        if self._proc is not None and self._proc.poll() is not None:
+            self._stop()  # died since the last call: its pipes closed, another started
+        if self._proc is None:
+            # its own session: a Ctrl-C at the service's terminal is the service's to handle
+            proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    bufsize=0, start_new_session=True)
+            for stream in (proc.stdin, proc.stdout):
+                os.set_blocking(stream.fileno(), False)  # type: ignore[union-attr]
+            self._proc = proc
+        return self._proc
+
+    def _failed(self) -> None:
+        self.failures += 1
+        self._stop()
+        if self.given_up:
+            log.warning("the hazard fit process failed %d times in a row: the fits run on "
+                        "the service's thread from now on", self.failures)
 
     def close(self) -> None:
         with self._lock:
@@ -114,14 +189,17 @@ class FitProcess:
 def main() -> None:
     """The worker: answer fits until stdin closes (or, mid-fit, stdout: the service has
     stopped, and nobody waits for the answer)."""
+    # The frames go to a copy of fd 1; fd 1 itself (and so any print, or a library's C-level
+    # write, from the imports on) goes to stderr: nothing else may write into the frames.
+    stdout = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    stdin = sys.stdin.buffer
     try:
         os.nice(FIT_NICE)
     except OSError:  # not permitted here: the fits run at the service's priority
         pass
     from predictor.estimators.hazard import fit_booster
 
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # nothing else may write into the frames
     while True:
         try:
             snapshot, edges, params = _read(stdin)

@@ -274,13 +274,40 @@ def test_hazard_fits_in_a_process_of_their_own_give_the_same_model():
 
 def test_a_fit_worker_that_does_not_answer_is_stopped():
     """A worker that hangs (here one that never reads its frames) is killed after
-    ``timeout_s`` and reported as :class:`FitProcessError`, on which the estimator fits on its
-    own thread; the next call starts a new worker."""
+    ``timeout_s``, the request's sending included (a snapshot of 800 KB does not fit in a
+    pipe's buffer), and reported as :class:`FitProcessError`, on which the estimator fits on
+    its own thread; the next call starts a new worker. After three failures in a row the
+    process is given up: calls fail at once, without starting one."""
     hung = FitProcess(timeout_s=0.5, command=[sys.executable, "-c",
                                               "import time; time.sleep(60)"])
     with pytest.raises(FitProcessError, match="no answer within 0.5 s"):
-        hung.call(None, None, {})
+        hung.call(np.zeros(100_000), None, {})
     assert hung.pid is None  # stopped
     with pytest.raises(FitProcessError, match="no answer"):
         hung.call(None, None, {})  # a new worker, which hangs as well
-    hung.close()
+    assert hung.failures == 2
+    gone = FitProcess(timeout_s=5, command=[sys.executable, "-c", "pass"])  # exits at once
+    for _ in range(FitProcess.MAX_FAILURES):
+        with pytest.raises(FitProcessError, match="failed"):
+            gone.call(np.zeros(100_000), None, {})
+    assert gone.given_up
+    with pytest.raises(FitProcessError, match="given up"):
+        gone.call(None, None, {})
+    assert gone.pid is None
+
+
+def test_the_service_fits_the_hazard_model_where_its_setting_says(tmp_path):
+    """``HAZARD_FIT_PROCESS`` (default true) reaches the service's hazard estimator; the
+    estimator alone (the simulator, offline runs) fits on its own thread."""
+    from predictor.service import PredictorService
+    from predictor.settings import Settings
+    from predictor.store import make_engine
+
+    assert HazardEstimator().fit_in_subprocess is False
+    for setting in (True, False):
+        url = f"sqlite:///{tmp_path / f'{setting}.db'}"
+        service = PredictorService(Settings(database_url=url, hazard_fit_process=setting),
+                                   make_engine(url))
+        assert service.estimators["hazard"].fit_in_subprocess is setting
+        service.engine.dispose()
+    assert Settings(database_url="sqlite://").hazard_fit_process is True

@@ -996,3 +996,35 @@ def test_short_pool_growth_by_arrivals_charges_the_free_slots_as_the_arrivals_fi
     for rate, worker in ((None, 1), (0.05, 1), (0.5, 0), (100.0, 0)):
         view = replace(fleet, arrival_rate=rate)
         assert [a.worker for a in route_round(view, pool, params)[0]] == [worker]
+
+
+def test_arrivals_growth_spans_requests_and_slots_on_random_short_pools():
+    """``"arrivals"`` scores through the slot-growth path (``_slot_growth_scores``); the
+    rule before scores through ``MarginTable.score_row_workers``. With arrivals too slow to
+    fill a slot within the window (a curve of about 0) the two paths give the same round,
+    and with arrivals that fill every slot at once (a curve of about h) ``"arrivals"`` gives
+    ``"slots"``' round: on random fleets of small requests (loads close enough that growth
+    decides) and short pools of several requests, where the free slots change from placement
+    to placement, under ``lpt-fit`` and ``lpt``. The two rules differ in some of them."""
+    rng = np.random.default_rng(23)
+    decided = differ = 0
+    for trial in range(200):
+        counts = rng.integers(0, 9, 4)
+        worker = np.repeat(np.arange(4), counts)
+        fleet = FleetView.from_active(4, 8, worker, rng.integers(20, 120, worker.size) * 1.0,
+                                      rng.uniform(1, 200, worker.size))
+        pool = [WaitingRequest(f"r{i}", int(s))
+                for i, s in enumerate(rng.integers(50, 400, int(rng.integers(2, 6))))]
+        if len(pool) > int(fleet.free_slots.sum()):
+            continue  # not a short pool
+        base = BalanceRouteParams(horizon=40, gamma=0.95,
+                                  short_pool="lpt" if trial % 2 else "lpt-fit")
+        rounds = {}
+        for rate, twin in ((1e-12, "requests"), (1e12, "slots")):
+            view = replace(fleet, arrival_rate=rate)
+            got = route_round(view, pool, replace(base, short_pool_growth="arrivals"))[0]
+            rounds[twin] = route_round(view, pool, replace(base, short_pool_growth=twin))[0]
+            assert got == rounds[twin], (trial, twin)
+        decided += 1
+        differ += rounds["requests"] != rounds["slots"]
+    assert decided >= 150 and differ >= 20

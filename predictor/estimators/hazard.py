@@ -60,6 +60,7 @@ calibrated where it has data; ``p_fin`` is a product of them. Measured on the sh
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from collections import OrderedDict, deque
@@ -612,3 +613,6 @@ def reset_fit_process() -> None:
         process, _fit_process = _fit_process, None
     if process is not None:
         process.close()
+
+
+atexit.register(reset_fit_process)  # the worker stopped at exit, not left to the collector

@@ -46,7 +46,7 @@ class Settings(BaseSettings):
     hazard_refit_every: int = Field(1000, ge=1)
     hazard_fit_process: bool = Field(
         True, description="fit the hazard model in a process of its own (spawned at the "
-        "first fit, about 150 MB), so that queries do not share the interpreter with its fits; "
+        "first fit, about 175 MB), so that queries do not share the interpreter with its fits; "
         "false: on a thread of the service")
     history: int = Field(5000, ge=0)
     survival_tail_at_risk: int = Field(

@@ -49,7 +49,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import lru_cache, partial
+from functools import cached_property, lru_cache, partial
 from itertools import combinations, islice
 from math import comb
 from numbers import Integral
@@ -716,8 +716,6 @@ class _Round:
         self.threshold = 0 if whole else params.s_greedy
         self.out: list[Assignment] = []
         self.exact = False
-        self._growth: np.ndarray | None = None  # see _slot_growth
-        self._growth_known = False
 
     def score(self, worker: int, indices: list[int]) -> np.ndarray:
         if self.rows is not None:
@@ -878,19 +876,22 @@ class _Round:
         rule = self.params.short_pool_growth
         if rule == "requests" or not self.short_pool:
             return None
-        rate = self.fleet.arrival_rate
         if rule == "arrivals":  # the free slots left at this placement (each takes one)
-            return arrival_fill_growth(float(self.free.sum()), rate, self.params.horizon)
-        if self._growth_known:  # "slots" and "filling": the same all round
-            return self._growth
-        growth: np.ndarray | None = np.arange(self.params.horizon + 1, dtype=np.float64)
-        if rule == "filling":
+            return arrival_fill_growth(float(self.free.sum()), self.fleet.arrival_rate,
+                                       self.params.horizon)
+        return self._round_growth
+
+    @cached_property
+    def _round_growth(self) -> np.ndarray | None:
+        """``"slots"``' and ``"filling"``'s curve, the same all round (computed at the
+        round's first placement by F)."""
+        rate = self.fleet.arrival_rate
+        if self.params.short_pool_growth == "filling":
             ends = expected_completions(self.fleet, self.params.horizon, self.params.end_shape)
             if not (rate is not None and ends is not None
                     and rate * self.params.horizon > float(ends[-1])):
-                growth = None
-        self._growth, self._growth_known = growth, True
-        return growth
+                return None
+        return np.arange(self.params.horizon + 1, dtype=np.float64)
 
     def _slot_growth_scores(self, workers: np.ndarray, row: np.ndarray,
                             curve: np.ndarray) -> np.ndarray:
@@ -898,12 +899,9 @@ class _Round:
         ``curve`` (``short_pool_growth``; ``h`` for ``"slots"``): each worker's loads plus
         ``free * curve``, the slot the request itself takes left out of its own worker's (its
         row carries its growth), against the envelope of the fleet so projected."""
-        table = self.table
-        loads = table.loads + self.free[:, None] * curve[None, :]
-        envelope = loads.max(axis=0)
-        own = loads[workers] - curve[None, :]
-        over = np.maximum(0.0, row[None, :] - (envelope[None, :] - own))
-        return table.alpha * float(row @ table.d) - table.beta * (over * table.d).sum(axis=1)
+        loads = self.table.loads + self.free[:, None] * curve[None, :]
+        return self.table.score_row_against(row, loads.max(axis=0),
+                                            loads[workers] - curve[None, :])
 
     def stage2(self) -> None:
         """Workers with free slots in ``params.effective_stage2_order`` (``slots``: most free

@@ -199,7 +199,14 @@ class MarginTable:
         row = np.asarray(row, dtype=np.float64)
         if self.spread is not None:  # a spread per worker and step: one worker at a time
             return np.array([float(self.score_rows(int(g), row)) for g in workers])
-        over = np.maximum(0.0, row[None, :] - (self.envelope[None, :] - self.loads[workers]))
+        return self.score_row_against(row, self.envelope, self.loads[workers])
+
+    def score_row_against(self, row: np.ndarray, envelope: np.ndarray,
+                          loads: np.ndarray) -> np.ndarray:
+        """F of one row of added work on workers whose projected loads are the rows of
+        ``loads``, under ``envelope`` (:meth:`score_row_workers` with this table's; a caller
+        that projects the fleet otherwise passes its own)."""
+        over = np.maximum(0.0, row[None, :] - (envelope[None, :] - loads))
         return self.alpha * float(row @ self.d) - self.beta * (over * self.d).sum(axis=1)
 
     def admit_row(self, worker: int, row: np.ndarray) -> None:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Any
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -33,27 +33,11 @@ class FitProcessError(RuntimeError):
     """The fit process could not be started, or died, or answered with an error."""
 
 
-def _write(stream: IO[bytes], payload: Any) -> None:
+def _send_frame(fd: int, payload: Any, deadline: float | None = None) -> None:
+    """Pickle ``payload`` and write it to ``fd`` as a frame (an 8-byte length, then the
+    bytes), by ``deadline`` (monotonic; None: no limit). A non-blocking ``fd`` is waited on."""
     data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)))
-    stream.write(data)
-    stream.flush()
-
-
-def _read(stream: IO[bytes]) -> Any:
-    header = stream.read(_HEADER.size)
-    if len(header) < _HEADER.size:
-        raise EOFError("the other end closed the pipe")
-    (size,) = _HEADER.unpack(header)
-    data = stream.read(size)
-    if len(data) < size:
-        raise EOFError("the other end closed the pipe mid-frame")
-    return pickle.loads(data)  # noqa: S301 - our own worker's frames, over a private pipe
-
-
-def _send(fd: int, data: bytes, deadline: float) -> None:
-    """Write all of ``data`` to the non-blocking ``fd`` by ``deadline`` (monotonic)."""
-    view = memoryview(data)
+    view = memoryview(_HEADER.pack(len(data)) + data)
     while view:
         _wait(fd, deadline, write=True)
         try:
@@ -62,8 +46,15 @@ def _send(fd: int, data: bytes, deadline: float) -> None:
             continue
 
 
-def _receive(fd: int, size: int, deadline: float) -> bytes:
-    """Read exactly ``size`` bytes from the non-blocking ``fd`` by ``deadline``."""
+def _receive_frame(fd: int, deadline: float | None = None) -> Any:
+    """Read one frame from ``fd`` by ``deadline`` and unpickle it; EOFError if the other end
+    closed the pipe."""
+    (size,) = _HEADER.unpack(_receive(fd, _HEADER.size, deadline))
+    return pickle.loads(_receive(fd, size, deadline))  # noqa: S301 - our own frames
+
+
+def _receive(fd: int, size: int, deadline: float | None) -> bytes:
+    """Read exactly ``size`` bytes from ``fd`` by ``deadline``."""
     chunks: list[bytes] = []
     while size:
         _wait(fd, deadline, write=False)
@@ -72,13 +63,16 @@ def _receive(fd: int, size: int, deadline: float) -> bytes:
         except BlockingIOError:
             continue
         if not chunk:
-            raise EOFError("the fit process closed its pipe")
+            raise EOFError("the other end closed the pipe")
         chunks.append(chunk)
         size -= len(chunk)
     return b"".join(chunks)
 
 
-def _wait(fd: int, deadline: float, write: bool) -> None:
+def _wait(fd: int, deadline: float | None, write: bool) -> None:
+    """Wait until ``fd`` is ready; TimeoutError past ``deadline`` (None: wait as long)."""
+    if deadline is None:
+        return  # a blocking read or write waits by itself
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TimeoutError("no answer in time")
@@ -127,12 +121,10 @@ class FitProcess:
             try:
                 deadline = time.monotonic() + self.timeout_s
                 proc = self._started()
-                data = pickle.dumps((snapshot, edges, params), pickle.HIGHEST_PROTOCOL)
-                _send(proc.stdin.fileno(), _HEADER.pack(len(data)) + data,  # type: ignore[union-attr]
-                      deadline)
-                out = proc.stdout.fileno()  # type: ignore[union-attr]
-                (size,) = _HEADER.unpack(_receive(out, _HEADER.size, deadline))
-                status, value = pickle.loads(_receive(out, size, deadline))  # noqa: S301
+                _send_frame(proc.stdin.fileno(), (snapshot, edges, params),  # type: ignore[union-attr]
+                            deadline)
+                status, value = _receive_frame(proc.stdout.fileno(),  # type: ignore[union-attr]
+                                               deadline)
             except TimeoutError:
                 self._failed()
                 raise FitProcessError(f"the fit process gave no answer within "
@@ -191,9 +183,9 @@ def main() -> None:
     stopped, and nobody waits for the answer)."""
     # The frames go to a copy of fd 1; fd 1 itself (and so any print, or a library's C-level
     # write, from the imports on) goes to stderr: nothing else may write into the frames.
-    stdout = os.fdopen(os.dup(1), "wb")
+    stdout = os.dup(1)
     os.dup2(2, 1)
-    stdin = sys.stdin.buffer
+    stdin = sys.stdin.fileno()
     try:
         os.nice(FIT_NICE)
     except OSError:  # not permitted here: the fits run at the service's priority
@@ -202,7 +194,7 @@ def main() -> None:
 
     while True:
         try:
-            snapshot, edges, params = _read(stdin)
+            snapshot, edges, params = _receive_frame(stdin)
         except EOFError:
             return
         try:
@@ -210,7 +202,6 @@ def main() -> None:
         except Exception as error:  # reported to the service, which fits on its thread
             reply = ("error", f"{type(error).__name__}: {error}")
         try:
-            _write(stdout, reply)
-        except BrokenPipeError:  # no flush at exit into the closed pipe either
-            os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+            _send_frame(stdout, reply)
+        except BrokenPipeError:
             return

@@ -380,7 +380,7 @@ class HazardEstimator(BaseEstimator):
             self.keyed_.refresh_deferred()
 
     # A service runs the booster's fits in a process of their own (``fit_process``): on a thread
-    # they share the interpreter with the queries, whose P99 doubled while they ran. The fit
+    # they share the interpreter with the queries, whose P99 rose 2-4x while they ran. The fit
     # is the same function on the same snapshot either way (deterministic: one thread,
     # ``random_state=0``), so the models are identical; a failed process falls back to the
     # thread. Off by default (the simulator, the CLI's offline runs and the tests fit here).
@@ -585,7 +585,7 @@ def fit_booster(snapshot: tuple[np.ndarray, np.ndarray, np.ndarray, int], edges:
     owner, bins, target, weight = person_period(np.minimum(durations, MAX_TOKENS), events,
                                                 edges)
     if target.all() or not target.any():
-        return None
+        return None  # one class only: nothing a classifier can learn yet
     model = HistGradientBoostingClassifier(**params, early_stopping=False, random_state=0)
     with threadpool_limits(1):  # deterministic, and no oversubscription of shared cores
         model.fit(design_matrix(edges, bins, data[owner]), target, sample_weight=weight)

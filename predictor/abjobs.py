@@ -101,7 +101,9 @@ def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
                                   guard=request.get("guard"),
                                   patience=request.get("patience"),
                                   zero_gamma_rules=request.get(
-                                      "zero_gamma_rules", BalanceRouteParams.zero_gamma_rules)))
+                                      "zero_gamma_rules", BalanceRouteParams.zero_gamma_rules),
+                                  myopic_horizon=request.get(
+                                      "myopic_horizon", BalanceRouteParams.myopic_horizon)))
     return comparison.rows
 
 

@@ -149,6 +149,11 @@ def _add_stage2_options(ab) -> None:
                     help="a BR-H round whose discount is 0 (nothing the lookahead sees "
                     "outlives it) is BR-0's round: br0 (default) with BR-0's guard and Stage 2 "
                     "too, brh with BR-H's (the rule before 2026-12-05)")
+    ab.add_argument("--myopic-horizon", type=float, default=BalanceRouteParams.myopic_horizon,
+                    metavar="STEPS",
+                    help="a BR-H round whose effective horizon 1/(1-gamma) is below this many "
+                    "steps is treated as a round at gamma 0 (default 1.5: rounded to whole "
+                    "steps, one step; 1: only gamma 0, the rule before 2026-12-06)")
 
 
 def _add_ab(sub) -> None:
@@ -404,7 +409,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   stage2_fill=args.stage2_fill,
                                   fit_horizon=args.fit_horizon, guard=args.guard,
                                   patience=args.patience,
-                                  zero_gamma_rules=args.zero_gamma_rules),
+                                  zero_gamma_rules=args.zero_gamma_rules,
+                                  myopic_horizon=args.myopic_horizon),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

@@ -548,6 +548,11 @@ class AbComparisonIn(ReplayIn):
         description="a BR-H round whose discount is 0 (nothing the lookahead sees outlives "
         "it) is BR-0's round: br0 (default) with BR-0's guard and Stage 2 too, brh with "
         "BR-H's (the rule before 2026-12-05)")
+    myopic_horizon: Annotated[float, Field(ge=1.0, le=1_000_000.0)] = Field(
+        BalanceRouteParams.myopic_horizon,
+        description="a BR-H round whose effective horizon 1/(1-gamma) is below this many "
+        "steps is treated as a round at gamma 0 (1.5, the default: rounded to whole steps, "
+        "one step; 1: only gamma 0, the rule before 2026-12-06)")
     source: Literal["observations"] | None = Field(
         None, description="replay the service's own stored observations")
     trace: TraceIn | None = None

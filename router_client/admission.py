@@ -240,6 +240,16 @@ class BalanceRouteParams:
             today's BR-0 on synth:long families with short outputs it lifted BR-H's mean
             throughput from 0.9973x to 0.9986x and changed issue 10's matrix by less than
             0.03% (see the README, "BR-H's rounds at gamma 0").
+        myopic_horizon: a BR-H round whose effective horizon ``1 / (1 - gamma)`` (the
+            discount from the turnover) is below this many steps is treated as a round at
+            gamma 0 (``zero_gamma_rules``: BR-0's round, its score, guard and Stage 2): the
+            next admission to a worker comes within a step, rounded, and the lookahead's
+            weight past step 0 is at most ``gamma`` < 1/3. 1.5 (default since 2026-12-06)
+            rounds the effective horizon to whole steps; 1 keeps BR-H's rules in every round
+            whose discount is above 0 (the rule before), where a discount of 0.05-0.2 made
+            BR-H's guard and Stage 2 diverge from BR-0's in a round or two of a run and
+            raised its imbalance on outputs of 20-30 tokens (see the README, "Rounds of a
+            one-step horizon"). A fixed ``gamma`` is never treated so.
         short_pool_growth: how ``lpt-fit`` and ``lpt`` (``short_pool``) project the workers'
             growth when they score a short pool's request by F from point lengths
             (``c_hat`` without a law; true lengths in ``brh-oracle``):
@@ -286,6 +296,7 @@ class BalanceRouteParams:
     step_overhead: float | None = None
     patience: int | None = DEFAULT_PATIENCE
     zero_gamma_rules: ZeroGammaRules = "br0"
+    myopic_horizon: float = 1.5
     short_pool_growth: ShortPoolGrowth = "filling"
 
     def __post_init__(self) -> None:
@@ -324,6 +335,8 @@ class BalanceRouteParams:
         if self.zero_gamma_rules not in ZERO_GAMMA_RULES:
             raise ParameterError("zero_gamma_rules",
                                  f"must be one of {', '.join(ZERO_GAMMA_RULES)}")
+        if not self.myopic_horizon >= 1.0:
+            raise ParameterError("myopic_horizon", "must be >= 1 step (1: only rounds at gamma 0)")
         if self.short_pool_growth not in SHORT_POOL_GROWTHS:
             raise ParameterError("short_pool_growth",
                                  f"must be one of {', '.join(SHORT_POOL_GROWTHS)}")
@@ -627,13 +640,14 @@ def route_round(
         gamma = turnover_gamma(fleet, params.horizon, params.turnover_scale,
                                len(pool) if params.turnover_arrivals else None,
                                params.end_shape)
-        if gamma <= 0.0:
-            stats.extra["gamma"] = 0.0
+        if gamma <= 0.0 or 1.0 / (1.0 - gamma) < params.myopic_horizon:
+            stats.extra["gamma"] = max(gamma, 0.0)
             if params.effective_beta(fleet.workers) == params.alpha * fleet.workers:
-                # The next admission to a worker comes within a step: nothing the lookahead
-                # sees outlives this round's decisions, and BR-H with gamma 0 and beta =
-                # alpha G is BR-0's score (scaled by alpha). The round is BR-0's, Stage-1 rule
-                # included. (Another beta, the paper's 43, keeps its own score at gamma 0.)
+                # The next admission to a worker comes within a step (rounded to whole
+                # steps: ``myopic_horizon``): nothing the lookahead sees outlives this
+                # round's decisions, and BR-H with gamma 0 and beta = alpha G is BR-0's score
+                # (scaled by alpha). The round is BR-0's, Stage-1 rule included. (Another
+                # beta, the paper's 43, keeps its own score at gamma 0.)
                 params = _as_br0(params)
                 stats.extra["as_br0"] = True
     fast = FAST_PATH if reference is None else not reference

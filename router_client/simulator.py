@@ -306,9 +306,10 @@ class MetricsCollector:
             "contended_steps": self.contended_steps,
             "fallback_steps": len(self.fallback_rounds),
             "gamma_mean": float(np.mean(self.gammas)) if self.gammas else None,
-            # BR-H's rounds with predictions, and those of them at gamma 0 that BR-H routed
-            # as BR-0 (scored as BR-0; its guard and Stage 2 too under ``zero_gamma_rules``
-            # "br0"): how often the lookahead had a say
+            # BR-H's rounds with predictions, and those of them at gamma 0 (or an effective
+            # horizon below ``myopic_horizon``) that BR-H routed as BR-0 (scored as BR-0; its
+            # guard and Stage 2 too under ``zero_gamma_rules`` "br0"): how often the
+            # lookahead had a say
             "lookahead_rounds": len(self.gammas),
             "gamma_zero_rounds": self.as_br0_rounds,
             "drain_steps": drain, "makespan_s": clock, "routing_steps": int(steps_in_window),

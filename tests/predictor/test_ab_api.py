@@ -82,17 +82,25 @@ def test_rest_comparison_takes_the_short_pool_rules_as_the_cli_does(tmp_path, fi
     assert rows[other] != rows[value]
 
 
+def short_output_csv(path) -> str:
+    """400 requests of 20 output tokens on average (backlog: several slots free a step, so
+    Stage 2 and the rounds of a short horizon decide), written to ``path`` as CSV; returns
+    the CSV text."""
+    trace = synthesize("synth:long:n=400,seed=5,output_mean=20,prompt_mean=800")
+    content = "arrival_s,prompt_tokens,output_tokens\n" + "".join(
+        f"{a:.6f},{p},{o}\n" for a, p, o in zip(trace.arrival_s, trace.prompt_tokens,
+                                                trace.output_tokens, strict=True))
+    path.write_text(content)
+    return content
+
+
 def test_rest_comparison_takes_the_stage2_order_as_the_cli_does(tmp_path):
     """``stage2_order``, ``stage2_fill`` and ``guard`` reach BR-0 and BR-H as
     ``--stage2-order``, ``--stage2-fill`` and ``--guard`` do: the REST rows with ``margin``,
     fill and the guard ``always`` (BR-H's default is ``idle``) equal the CLI's (and differ
     from the paper's Stage 2 at backlog, where Stage 2
     decides: short outputs free several slots a step)."""
-    trace = synthesize("synth:long:n=400,seed=5,output_mean=20,prompt_mean=800")
-    content = "arrival_s,prompt_tokens,output_tokens\n" + "".join(
-        f"{a:.6f},{p},{o}\n" for a, p, o in zip(trace.arrival_s, trace.prompt_tokens,
-                                                trace.output_tokens, strict=True))
-    (tmp_path / "t.csv").write_text(content)
+    content = short_output_csv(tmp_path / "t.csv")
     rows = {}
     other_guard = "always"  # BR-H's default is idle (BR-0's always): BR-H's rows change
     with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'so.db'}"))) as c:
@@ -155,6 +163,36 @@ def test_rest_comparison_takes_the_stage2_order_as_the_cli_does(tmp_path):
     assert decisions(cli) == decisions(guarded["always"])
     assert [r["patience_admissions"] for r in cli] == \
         [r["patience_admissions"] for r in job["results"]]
+
+
+def test_rest_comparison_takes_the_myopic_horizon_as_the_cli_does(tmp_path):
+    """``myopic_horizon`` reaches BR-H as ``--myopic-horizon`` does: with 1 (only rounds at
+    gamma 0 are BR-0's, the rule before) the REST rows equal the CLI's, and fewer rounds are
+    routed as BR-0 than under the default 1.5; a value below 1 step is refused, naming the
+    field."""
+    content = short_output_csv(tmp_path / "t.csv")
+    rows = {}
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'm.db'}"))) as c:
+        for steps in (1.0, 1.5):
+            job = wait(c, c.post("/v1/ab-comparisons", json={
+                "policies": ["brh-oracle"], "workers": [4], "batch": 8, "load": "backlog",
+                "myopic_horizon": steps,
+                "trace": {"format": "csv", "content": content}}).json()["id"])
+            assert job["status"] == "done", job
+            rows[steps] = [{k: v for k, v in r.items() if k != "sim_wall_s"}
+                           for r in job["results"]]
+        refused = c.post("/v1/ab-comparisons", json={
+            "policies": ["brh-oracle"], "workers": [4], "myopic_horizon": 0.5,
+            "trace": {"format": "csv", "content": content}})
+        assert refused.status_code == 422
+        assert "myopic_horizon" in refused.text
+    assert rows[1.0][0]["gamma_zero_rounds"] < rows[1.5][0]["gamma_zero_rounds"]
+    main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "brh-oracle", "--workers",
+          "4", "--batch", "8", "--load", "backlog", "--myopic-horizon", "1", "--quiet",
+          "--json", str(tmp_path / "cli.json")])
+    cli = [{k: v for k, v in r.items() if k != "sim_wall_s"}
+           for r in json.loads((tmp_path / "cli.json").read_text())]
+    assert cli == rows[1.0]
 
 
 def test_replaying_the_services_own_observations(tmp_path):

@@ -248,6 +248,33 @@ def test_a_round_with_gamma_0_is_routed_as_br0():
         assert paper_stats.extra["gamma"] == 0.0
 
 
+def test_a_round_of_a_one_step_horizon_is_routed_as_br0():
+    """An effective horizon ``1 / (1 - gamma)`` below ``myopic_horizon`` (1.5 steps) rounds
+    to one step: the round is BR-0's, as at gamma 0, and reports its discount. G = 2, ends at
+    1, 2, 2, 2: n(1) = 1, n(2) = 4, so the second completion comes at 1 + 1/3 steps (gamma
+    0.25). ``myopic_horizon=1`` keeps BR-H's rules there (the rule before), which route some
+    of these rounds otherwise; at 2.5 steps (ends 1, 3, 3, 9) the round stays BR-H's."""
+    rng = np.random.default_rng(13)
+    fleet = turnover_fleet([1, 2, 2, 2])
+    assert turnover_gamma(fleet, 80) == pytest.approx(0.25)
+    differ = 0
+    for _ in range(30):
+        pool = random_pool(rng, int(rng.integers(1, 30)))
+        brh, stats = route_round(fleet, pool, BalanceRouteParams())
+        assert stats.extra["gamma"] == pytest.approx(0.25) and stats.extra["as_br0"]
+        assert_zero_gamma_round_is_br0s(fleet, pool, brh)
+        before, before_stats = route_round(fleet, pool, BalanceRouteParams(myopic_horizon=1.0))
+        assert "as_br0" not in before_stats.extra
+        assert before_stats.extra["gamma"] == pytest.approx(0.25)
+        differ += before != brh
+        _, longer = route_round(turnover_fleet([1, 3, 3, 9]), pool, BalanceRouteParams())
+        assert "as_br0" not in longer.extra and longer.extra["gamma"] == pytest.approx(0.6)
+        # the paper's beta keeps its own score, as at gamma 0
+        _, paper = route_round(fleet, pool, BalanceRouteParams.paper(gamma=None))
+        assert "as_br0" not in paper.extra
+    assert differ > 0
+
+
 def test_turnover_discount_is_used_and_reported():
     rng = np.random.default_rng(5)
     fleet, pool = random_fleet(rng, 4, 8), random_pool(rng, 20)
@@ -261,7 +288,8 @@ def test_turnover_discount_is_used_and_reported():
 @pytest.mark.parametrize("field, value", [("gamma", 0.0), ("gamma", 1.5), ("r_max", 0),
                                           ("turnover_scale", 0.0),
                                           ("horizon", -1), ("stage1", "nope"), ("alpha", 0.0),
-                                          ("guard", "never"), ("zero_gamma_rules", "x")])
+                                          ("guard", "never"), ("zero_gamma_rules", "x"),
+                                          ("myopic_horizon", 0.5)])
 def test_params_validation_names_the_field(field, value):
     with pytest.raises(ParameterError, match=field):
         BalanceRouteParams(**{field: value})

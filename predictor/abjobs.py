@@ -103,7 +103,9 @@ def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
                                   zero_gamma_rules=request.get(
                                       "zero_gamma_rules", BalanceRouteParams.zero_gamma_rules),
                                   myopic_horizon=request.get(
-                                      "myopic_horizon", BalanceRouteParams.myopic_horizon)))
+                                      "myopic_horizon", BalanceRouteParams.myopic_horizon),
+                                  own_wait_horizon=request.get(
+                                      "own_wait_horizon", BalanceRouteParams.own_wait_horizon)))
     return comparison.rows
 
 

@@ -154,6 +154,11 @@ def _add_stage2_options(ab) -> None:
                     help="a BR-H round whose effective horizon 1/(1-gamma) is below this many "
                     "steps is treated as a round at gamma 0 (default 1.5: rounded to whole "
                     "steps, one step; 1: only gamma 0, the rule before 2026-12-06)")
+    ab.add_argument("--own-wait-horizon", type=float,
+                    default=BalanceRouteParams.own_wait_horizon, metavar="STEPS",
+                    help="with the guard idle, a BR-H round whose effective horizon 1/(1-gamma) "
+                    "reaches this many steps leaves a worker's slots empty wherever its own "
+                    "F of every subset is <= 0 (default: see the README)")
 
 
 def _add_ab(sub) -> None:
@@ -410,7 +415,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   fit_horizon=args.fit_horizon, guard=args.guard,
                                   patience=args.patience,
                                   zero_gamma_rules=args.zero_gamma_rules,
-                                  myopic_horizon=args.myopic_horizon),
+                                  myopic_horizon=args.myopic_horizon,
+                                  own_wait_horizon=args.own_wait_horizon),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

@@ -553,6 +553,11 @@ class AbComparisonIn(ReplayIn):
         description="a BR-H round whose effective horizon 1/(1-gamma) is below this many "
         "steps is treated as a round at gamma 0 (1.5, the default: rounded to whole steps, "
         "one step; 1: only gamma 0, the rule before 2026-12-06)")
+    own_wait_horizon: Annotated[float, Field(ge=1.0, le=1_000_000.0)] | None = Field(
+        BalanceRouteParams.own_wait_horizon,
+        description="with the guard idle, a BR-H round whose effective horizon 1/(1-gamma) "
+        "reaches this many steps leaves a worker's slots empty wherever its own F of every "
+        "subset is <= 0 (null: never)")
     source: Literal["observations"] | None = Field(
         None, description="replay the service's own stored observations")
     trace: TraceIn | None = None

@@ -250,6 +250,14 @@ class BalanceRouteParams:
             BR-H's guard and Stage 2 diverge from BR-0's in a round or two of a run and
             raised its imbalance on outputs of 20-30 tokens (see the README, "Rounds of a
             one-step horizon"). A fixed ``gamma`` is never treated so.
+        own_wait_horizon: under the guard ``idle``, a round whose effective horizon
+            ``1 / (1 - gamma)`` reaches this many steps leaves a worker's slots empty wherever
+            BR-H's own F of every subset is <= 0, even where BR-0's view now says an overflow
+            pays (the lookahead's objection stands: what it sees ending is not refilled at
+            once); an empty worker never waits, and ``patience`` still bounds the waits.
+            ``None`` (default): never. 8 met the synth:long 0.8x target at G = 4 over runs of
+            10,000 but raised BR-H's imbalance on Mooncake conversation there (see the README,
+            "A long view that waits on its own F"): an option, not the default.
         short_pool_growth: how ``lpt-fit`` and ``lpt`` (``short_pool``) project the workers'
             growth when they score a short pool's request by F from point lengths
             (``c_hat`` without a law; true lengths in ``brh-oracle``):
@@ -297,6 +305,7 @@ class BalanceRouteParams:
     patience: int | None = DEFAULT_PATIENCE
     zero_gamma_rules: ZeroGammaRules = "br0"
     myopic_horizon: float = 1.5
+    own_wait_horizon: float | None = None
     short_pool_growth: ShortPoolGrowth = "filling"
 
     def __post_init__(self) -> None:
@@ -335,6 +344,8 @@ class BalanceRouteParams:
         if self.zero_gamma_rules not in ZERO_GAMMA_RULES:
             raise ParameterError("zero_gamma_rules",
                                  f"must be one of {', '.join(ZERO_GAMMA_RULES)}")
+        if self.own_wait_horizon is not None and not self.own_wait_horizon >= 1.0:
+            raise ParameterError("own_wait_horizon", "must be >= 1 step (or None: never)")
         if not self.myopic_horizon >= 1.0:
             raise ParameterError("myopic_horizon", "must be >= 1 step (1: only rounds at gamma 0)")
         if self.short_pool_growth not in SHORT_POOL_GROWTHS:
@@ -850,7 +861,11 @@ class _Round:
     def _long_view(self) -> bool:
         """Whether this round's effective horizon ``1 / (1 - gamma)`` reaches
         ``params.fit_horizon`` steps (then ``lpt-fit`` places by F, as ``lpt``)."""
-        limit = self.params.fit_horizon
+        return self._reaches(self.params.fit_horizon)
+
+    def _reaches(self, limit: float | None) -> bool:
+        """Whether this round's effective horizon ``1 / (1 - gamma)`` reaches ``limit`` steps
+        (None: never)."""
         if limit is None or self.params.horizon <= 0:
             return False
         gamma = float(self.table.d[1])  # the round's: fixed, or from the turnover
@@ -968,11 +983,14 @@ class _Round:
         nothing this round, i.e. no candidate's overflow pays
         (:func:`router_client.fastpath.overflow_pays`: BR-0's F now plus the admission's
         share of the step's fixed cost is not positive for any; where BR-H's lookahead alone
-        objects it admits its best request as the guard ``always`` does). A worker out of
+        objects it admits its best request as the guard ``always`` does, unless the round's
+        effective horizon reaches ``own_wait_horizon``: then it waits). A worker out of
         patience (:attr:`impatient`) takes its best request all the same: the caller's
         business."""
         if not self._guard_waits() or self.free[worker] >= self.fleet.capacity:
             return False  # an empty worker never waits: nothing else would fill it
+        if self._reaches(self.params.own_wait_horizon):
+            return True  # a long view: the lookahead's own objection (F <= 0) stands
         context = self._wait_context()
         pays = fastpath.overflow_pays(self.sizes[candidates], self.table.current_margin(worker),
                                       context.workers, context.active, context.overhead)

@@ -186,6 +186,11 @@ def test_rest_comparison_takes_the_myopic_horizon_as_the_cli_does(tmp_path):
             "trace": {"format": "csv", "content": content}})
         assert refused.status_code == 422
         assert "myopic_horizon" in refused.text
+        refused = c.post("/v1/ab-comparisons", json={
+            "policies": ["brh-oracle"], "workers": [4], "own_wait_horizon": 0.5,
+            "trace": {"format": "csv", "content": content}})
+        assert refused.status_code == 422
+        assert "own_wait_horizon" in refused.text
     assert rows[1.0][0]["gamma_zero_rounds"] < rows[1.5][0]["gamma_zero_rounds"]
     main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "brh-oracle", "--workers",
           "4", "--batch", "8", "--load", "backlog", "--myopic-horizon", "1", "--quiet",

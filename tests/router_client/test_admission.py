@@ -275,6 +275,34 @@ def test_a_round_of_a_one_step_horizon_is_routed_as_br0():
     assert differ > 0
 
 
+def test_a_long_view_waits_on_its_own_f():
+    """``own_wait_horizon``: in a round whose effective horizon reaches that many steps, the
+    guard ``idle`` leaves a worker's slots empty wherever BR-H's own F of every subset is
+    <= 0, even where BR-0's view now says an overflow pays. So such a round admits no more
+    than the default's, and where the two differ it held a worker back; a worker with no
+    request never waits; the guard ``always`` and a horizon never reached change nothing."""
+    rng = np.random.default_rng(17)
+    differ = 0
+    for _ in range(200):
+        fleet = random_fleet(rng, int(rng.integers(2, 6)), int(rng.integers(2, 8)))
+        pool = random_pool(rng, int(rng.integers(1, 40)))
+        default, _ = route_round(fleet, pool, BalanceRouteParams())
+        own, stats = route_round(fleet, pool, BalanceRouteParams(own_wait_horizon=1.0))
+        assert len(own) <= len(default)
+        if own != default:
+            differ += 1
+            assert stats.waited
+        empty = ({g for g in range(fleet.workers) if fleet.free_slots[g] == fleet.capacity}
+                 - {a.worker for a in own})  # empty still when Stage 2 comes to it
+        assert not empty & set(stats.waited)
+        never, _ = route_round(fleet, pool, BalanceRouteParams(own_wait_horizon=1e6))
+        assert never == default
+        assert route_round(fleet, pool, BalanceRouteParams(guard="always",
+                                                           own_wait_horizon=1.0))[0] == \
+            route_round(fleet, pool, BalanceRouteParams(guard="always"))[0]
+    assert differ > 0
+
+
 def test_turnover_discount_is_used_and_reported():
     rng = np.random.default_rng(5)
     fleet, pool = random_fleet(rng, 4, 8), random_pool(rng, 20)
@@ -289,7 +317,8 @@ def test_turnover_discount_is_used_and_reported():
                                           ("turnover_scale", 0.0),
                                           ("horizon", -1), ("stage1", "nope"), ("alpha", 0.0),
                                           ("guard", "never"), ("zero_gamma_rules", "x"),
-                                          ("myopic_horizon", 0.5)])
+                                          ("myopic_horizon", 0.5),
+                                          ("own_wait_horizon", 0.5)])
 def test_params_validation_names_the_field(field, value):
     with pytest.raises(ParameterError, match=field):
         BalanceRouteParams(**{field: value})

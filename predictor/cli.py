@@ -154,11 +154,12 @@ def _add_stage2_options(ab) -> None:
                     help="a BR-H round whose effective horizon 1/(1-gamma) is below this many "
                     "steps is treated as a round at gamma 0 (default 1.5: rounded to whole "
                     "steps, one step; 1: only gamma 0, the rule before 2026-12-06)")
-    ab.add_argument("--own-wait-horizon", type=float,
+    ab.add_argument("--own-wait-horizon", type=steps_or_never,
                     default=BalanceRouteParams.own_wait_horizon, metavar="STEPS",
                     help="with the guard idle, a BR-H round whose effective horizon 1/(1-gamma) "
                     "reaches this many steps leaves a worker's slots empty wherever its own "
-                    "F of every subset is <= 0 (default: see the README)")
+                    "F of every subset is <= 0 (default 12; never: the rule before; see the "
+                    "README)")
 
 
 def _add_ab(sub) -> None:
@@ -641,6 +642,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'calibration.png'}")
     return code
 
+
+
+def steps_or_never(text: str) -> float | None:
+    """``--own-wait-horizon``'s value: a number of steps, or ``never`` (None)."""
+    if text.strip().lower() in ("never", "none"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of steps nor 'never': {text!r}") from None
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()

@@ -557,7 +557,7 @@ class AbComparisonIn(ReplayIn):
         BalanceRouteParams.own_wait_horizon,
         description="with the guard idle, a BR-H round whose effective horizon 1/(1-gamma) "
         "reaches this many steps leaves a worker's slots empty wherever its own F of every "
-        "subset is <= 0 (null: never)")
+        "subset is <= 0 (12, the default; null: never, the rule before 2026-12-06)")
     source: Literal["observations"] | None = Field(
         None, description="replay the service's own stored observations")
     trace: TraceIn | None = None

@@ -255,9 +255,12 @@ class BalanceRouteParams:
             BR-H's own F of every subset is <= 0, even where BR-0's view now says an overflow
             pays (the lookahead's objection stands: what it sees ending is not refilled at
             once); an empty worker never waits, and ``patience`` still bounds the waits.
-            ``None`` (default): never. 8 met the synth:long 0.8x target at G = 4 over runs of
-            10,000 but raised BR-H's imbalance on Mooncake conversation there (see the README,
-            "A long view that waits on its own F"): an option, not the default.
+            12 (default since 2026-12-06): synth:long's rounds (effective horizons near 15
+            steps) wait, Mooncake conversation's (near 5) mostly do not; it met the synth:long
+            0.8x target at G = 4 over six draws of 10,000 (0.742x against 0.840x) and left
+            Mooncake as it was. 8 gained more on synth:long but raised BR-H's imbalance on
+            Mooncake; ``None``: never, the rule before (see the README, "A long view that
+            waits on its own F").
         short_pool_growth: how ``lpt-fit`` and ``lpt`` (``short_pool``) project the workers'
             growth when they score a short pool's request by F from point lengths
             (``c_hat`` without a law; true lengths in ``brh-oracle``):
@@ -305,7 +308,7 @@ class BalanceRouteParams:
     patience: int | None = DEFAULT_PATIENCE
     zero_gamma_rules: ZeroGammaRules = "br0"
     myopic_horizon: float = 1.5
-    own_wait_horizon: float | None = None
+    own_wait_horizon: float | None = 12.0
     short_pool_growth: ShortPoolGrowth = "filling"
 
     def __post_init__(self) -> None:

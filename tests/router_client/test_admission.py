@@ -286,7 +286,7 @@ def test_a_long_view_waits_on_its_own_f():
     for _ in range(200):
         fleet = random_fleet(rng, int(rng.integers(2, 6)), int(rng.integers(2, 8)))
         pool = random_pool(rng, int(rng.integers(1, 40)))
-        default, _ = route_round(fleet, pool, BalanceRouteParams())
+        default, _ = route_round(fleet, pool, BalanceRouteParams(own_wait_horizon=None))
         own, stats = route_round(fleet, pool, BalanceRouteParams(own_wait_horizon=1.0))
         assert len(own) <= len(default)
         if own != default:
@@ -299,7 +299,8 @@ def test_a_long_view_waits_on_its_own_f():
         assert never == default
         assert route_round(fleet, pool, BalanceRouteParams(guard="always",
                                                            own_wait_horizon=1.0))[0] == \
-            route_round(fleet, pool, BalanceRouteParams(guard="always"))[0]
+            route_round(fleet, pool, BalanceRouteParams(guard="always",
+                                                        own_wait_horizon=None))[0]
     assert differ > 0
 
 

@@ -76,6 +76,16 @@ def _workers(text: str) -> list[int]:
     return values
 
 
+def _steps_or_never(text: str) -> float | None:
+    """``--own-wait-horizon``'s value: a number of steps, or ``never`` (None)."""
+    if text.strip().lower() in ("never", "none"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of steps nor 'never': {text!r}") from None
+
+
 def _load(text: str) -> float | str:
     if text == "backlog":
         return text
@@ -154,7 +164,7 @@ def _add_stage2_options(ab) -> None:
                     help="a BR-H round whose effective horizon 1/(1-gamma) is below this many "
                     "steps is treated as a round at gamma 0 (default 1.5: rounded to whole "
                     "steps, one step; 1: only gamma 0, the rule before 2026-12-06)")
-    ab.add_argument("--own-wait-horizon", type=steps_or_never,
+    ab.add_argument("--own-wait-horizon", type=_steps_or_never,
                     default=BalanceRouteParams.own_wait_horizon, metavar="STEPS",
                     help="with the guard idle, a BR-H round whose effective horizon 1/(1-gamma) "
                     "reaches this many steps leaves a worker's slots empty wherever its own "
@@ -642,16 +652,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'calibration.png'}")
     return code
 
-
-
-def steps_or_never(text: str) -> float | None:
-    """``--own-wait-horizon``'s value: a number of steps, or ``never`` (None)."""
-    if text.strip().lower() in ("never", "none"):
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of steps nor 'never': {text!r}") from None
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()

@@ -200,6 +200,40 @@ def test_rest_comparison_takes_the_myopic_horizon_as_the_cli_does(tmp_path):
     assert cli == rows[1.0]
 
 
+def test_own_wait_horizon_never_is_the_rule_before_over_rest_and_cli(tmp_path):
+    """``own_wait_horizon: null`` (REST) and ``--own-wait-horizon never`` (CLI) turn the own
+    wait off: their rows are equal, no worker waits on BR-H's own F there, and on long
+    outputs at backlog (effective horizons of about 15 steps) the default of 12 steps does
+    wait, so the two settings route differently."""
+    long_outputs = synthesize("synth:long:n=300")
+    path = tmp_path / "long.csv"
+    path.write_text("arrival_s,prompt_tokens,output_tokens\n" + "".join(
+        f"{i * 0.01:.2f},{int(p)},{int(o)}\n" for i, (p, o) in
+        enumerate(zip(long_outputs.prompt_tokens, long_outputs.output_tokens, strict=True))))
+    rows = {}
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'w.db'}"))) as c:
+        for key, value in (("never", None), ("default", 12)):
+            job = wait(c, c.post("/v1/ab-comparisons", json={
+                "policies": ["brh-oracle"], "workers": [4], "batch": 8, "load": "backlog",
+                "own_wait_horizon": value,
+                "trace": {"format": "csv", "content": path.read_text()}}
+                ).json()["id"])
+            assert job["status"] == "done", job
+            rows[key] = [{k: v for k, v in r.items() if k != "sim_wall_s"}
+                         for r in job["results"]]
+    assert rows["never"][0]["guard_waits"] == 0
+    assert rows["default"][0]["guard_waits"] > 0
+    assert rows["never"] != rows["default"]
+    for value, key in (("never", "never"), ("12", "default")):
+        out = tmp_path / f"cli-{key}.json"
+        main(["ab", "--trace", str(path), "--policies", "brh-oracle", "--workers", "4", "--batch",
+              "8", "--load", "backlog", "--own-wait-horizon", value, "--quiet", "--json",
+              str(out)])
+        cli = [{k: v for k, v in r.items() if k != "sim_wall_s"}
+               for r in json.loads(out.read_text())]
+        assert cli == rows[key]
+
+
 def test_replaying_the_services_own_observations(tmp_path):
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'obs.db'}")
     with TestClient(create_app(settings)) as c:

@@ -105,7 +105,9 @@ def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
                                   myopic_horizon=request.get(
                                       "myopic_horizon", BalanceRouteParams.myopic_horizon),
                                   own_wait_horizon=request.get(
-                                      "own_wait_horizon", BalanceRouteParams.own_wait_horizon)))
+                                      "own_wait_horizon", BalanceRouteParams.own_wait_horizon),
+                                  br0_check=request.get(
+                                      "br0_check", BalanceRouteParams.br0_check)))
     return comparison.rows
 
 

@@ -76,14 +76,14 @@ def _workers(text: str) -> list[int]:
     return values
 
 
-def _steps_or_never(text: str) -> float | None:
-    """``--own-wait-horizon``'s value: a number of steps, or ``never`` (None)."""
+def _number_or_never(text: str) -> float | None:
+    """``--own-wait-horizon``'s and ``--br0-check``'s value: a number, or ``never`` (None)."""
     if text.strip().lower() in ("never", "none"):
         return None
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of steps nor 'never': {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not a number nor 'never': {text!r}") from None
 
 
 def _load(text: str) -> float | str:
@@ -164,12 +164,18 @@ def _add_stage2_options(ab) -> None:
                     help="a BR-H round whose effective horizon 1/(1-gamma) is below this many "
                     "steps is treated as a round at gamma 0 (default 1.5: rounded to whole "
                     "steps, one step; 1: only gamma 0, the rule before 2026-12-06)")
-    ab.add_argument("--own-wait-horizon", type=_steps_or_never,
+    ab.add_argument("--own-wait-horizon", type=_number_or_never,
                     default=BalanceRouteParams.own_wait_horizon, metavar="STEPS",
                     help="with the guard idle, a BR-H round whose effective horizon 1/(1-gamma) "
                     "reaches this many steps leaves a worker's slots empty wherever its own "
                     "F of every subset is <= 0 (default 12; never: the rule before; see the "
                     "README)")
+    ab.add_argument("--br0-check", type=_number_or_never,
+                    default=BalanceRouteParams.br0_check, metavar="CANDIDATES",
+                    help="a BR-H round stands only where its own measure (summed F) is above "
+                    "that of BR-0's round from the same state by more than this many "
+                    "candidates' discounted fill, else the round is BR-0's (0: strictly "
+                    "better; default never: no check; see the README)")
 
 
 def _add_ab(sub) -> None:
@@ -427,7 +433,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   patience=args.patience,
                                   zero_gamma_rules=args.zero_gamma_rules,
                                   myopic_horizon=args.myopic_horizon,
-                                  own_wait_horizon=args.own_wait_horizon),
+                                  own_wait_horizon=args.own_wait_horizon,
+                                  br0_check=args.br0_check),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
           f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")

@@ -558,6 +558,12 @@ class AbComparisonIn(ReplayIn):
         description="with the guard idle, a BR-H round whose effective horizon 1/(1-gamma) "
         "reaches this many steps leaves a worker's slots empty wherever its own F of every "
         "subset is <= 0 (12, the default; null: never, the rule before 2026-12-06)")
+    br0_check: Annotated[float, Field(ge=0.0, le=1_000_000.0)] | None = Field(
+        BalanceRouteParams.br0_check,
+        description="a BR-H round stands only where its own measure (summed F) is above "
+        "that of BR-0's round from the same state by more than this many candidates' "
+        "discounted fill, else the round is BR-0's (0: strictly better; null, the default: "
+        "no check)")
     source: Literal["observations"] | None = Field(
         None, description="replay the service's own stored observations")
     trace: TraceIn | None = None

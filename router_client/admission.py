@@ -46,6 +46,7 @@ grows one greedily when there are too many. ``candidate_life=False`` is the pape
 
 from __future__ import annotations
 
+import copy
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -280,6 +281,14 @@ class BalanceRouteParams:
             of eleven by ``tok/s``; on issue 10's matrix (60 cells, two replicates of 4,000)
             mean 1.0079x against 1.0072x, lowest 1.0002x against 0.9997x (see the README,
             "A filling fleet's short pool").
+        br0_check: a BR-H round is checked against BR-0's round from the same state (BR-0's
+            score, guard and Stage 2): where BR-H's own measure of its round (the summed F of
+            its admissions on its margin table, the discounted fill less beta times the
+            envelope's discounted rise) is not above that of BR-0's round's admissions by
+            more than this many candidates' worth of discounted fill, the round is BR-0's.
+            0: BR-H departs from BR-0 only where it expects to do strictly better by its own
+            reckoning. ``None`` (default): no check. Costs a BR-0 round and two evaluations
+            per BR-H round (see the README, "A round checked against BR-0's").
     """
 
     horizon: int = 80
@@ -310,6 +319,7 @@ class BalanceRouteParams:
     myopic_horizon: float = 1.5
     own_wait_horizon: float | None = 12.0
     short_pool_growth: ShortPoolGrowth = "filling"
+    br0_check: float | None = None
 
     def __post_init__(self) -> None:
         if self.horizon < 0:
@@ -351,6 +361,8 @@ class BalanceRouteParams:
             raise ParameterError("own_wait_horizon", "must be >= 1 step (or None: never)")
         if not self.myopic_horizon >= 1.0:
             raise ParameterError("myopic_horizon", "must be >= 1 step (1: only rounds at gamma 0)")
+        if self.br0_check is not None and not 0.0 <= self.br0_check < float("inf"):
+            raise ParameterError("br0_check", "must be a number >= 0 (or None: never)")
         if self.short_pool_growth not in SHORT_POOL_GROWTHS:
             raise ParameterError("short_pool_growth",
                                  f"must be one of {', '.join(SHORT_POOL_GROWTHS)}")
@@ -667,6 +679,8 @@ def route_round(
     fast = FAST_PATH if reference is None else not reference
     head = reachable_head(len(pool), params, fleet.workers, total_free) if fast else len(pool)
     state = _Round(fleet, pool, params, free, stats, head, fast, gamma, waited)
+    checked = params.br0_check is not None and params.horizon > 0
+    initial = copy.deepcopy(state.table) if checked else None
     if not (fast and state.fast_stage1()):
         state.stage1()
     stage2_started = perf_counter()
@@ -674,7 +688,65 @@ def route_round(
     if not (fast and state.fast_stage2()):
         state.stage2()
     stats.extra["stage2_s"] = perf_counter() - stage2_started
+    if initial is not None:
+        return _checked_against_br0(fleet, pool, params, reference, waited, gamma, state,
+                                    initial)
     return state.out, stats
+
+
+def _checked_against_br0(
+    fleet: FleetView, pool: list[WaitingRequest], params: BalanceRouteParams,
+    reference: bool | None, waited: np.ndarray | None, gamma: float | None, state: _Round,
+    initial: MarginTable,
+) -> tuple[list[Assignment], RoundStats]:
+    """``br0_check``: BR-0's round from the same state (:func:`_as_br0`'s rules), and BR-H's
+    round (``state``, routed from the margin table ``initial``) kept only where BR-H's own
+    measure puts it more than ``br0_check`` candidates' worth of discounted fill above
+    BR-0's; otherwise BR-0's round, its stats (waits included) and BR-H's round's figures
+    under ``extra``.
+
+    A round's measure is the F of its admissions summed in order on a copy of ``initial``
+    (with known loads: ``alpha`` times the discounted work added less ``beta`` times the
+    envelope's discounted rise, whatever the order); the scale is the mean discounted fill
+    of the first ``r_max`` candidates."""
+    out, stats = state.out, state.stats
+    alt, alt_stats = route_round(fleet, pool, _as_br0(params), reference, waited)
+    if sorted((a.pool_index, a.worker) for a in alt) == \
+            sorted((a.pool_index, a.worker) for a in out):
+        return out, stats
+    last = max((a.pool_index for a in alt), default=-1)
+    if last >= len(state.sizes):  # BR-0 read past BR-H's head: rows that reach it
+        state = _Round(fleet, pool, params, fleet.free_slots.astype(np.int64).copy(),
+                       RoundStats(), last + 1, False, gamma, waited)
+    rows, sizes = state.rows, state.sizes
+    own, br0 = (_summed_f(copy.deepcopy(initial), rows, sizes, admitted)
+                for admitted in (out, alt))
+    width = min(len(sizes), params.effective_r_max(fleet.workers))
+    if rows is not None:
+        scale = params.alpha * float((rows[:width] @ initial.d).mean())
+    else:
+        scale = initial.fill * float(sizes[:width].mean())
+    gain = (own - br0) / scale if scale > 0 else 0.0
+    stats.extra["br0_check_gain"] = gain
+    if gain > params.br0_check:  # type: ignore[operator]  # set: the caller checked
+        return out, stats
+    alt_stats.used_prediction = True
+    alt_stats.extra = {**stats.extra, **alt_stats.extra, "br0_check": True}
+    return alt, alt_stats
+
+
+def _summed_f(table: MarginTable, rows: np.ndarray | None, sizes: np.ndarray,
+              admitted: list[Assignment]) -> float:
+    """The F of ``admitted`` scored and admitted in order on ``table`` (changed)."""
+    total = 0.0
+    for a in admitted:
+        if rows is not None:
+            total += float(table.score_rows(a.worker, rows[a.pool_index]))
+            table.admit_row(a.worker, rows[a.pool_index])
+        else:
+            total += float(table.score(a.worker, sizes[a.pool_index]))
+            table.admit(a.worker, float(sizes[a.pool_index]))
+    return total
 
 
 @lru_cache(maxsize=64)

@@ -259,6 +259,7 @@ class MetricsCollector:
         self.contended_steps = 0
         self.gammas: list[float] = []  # BR-H's discount per round (turnover: it varies)
         self.as_br0_rounds = 0  # BR-H's rounds at gamma 0, routed as BR-0's
+        self.br0_check_rounds = 0  # BR-H's rounds that BR-0's round replaced (br0_check)
         self.fallback_rounds: list[int] = []
         self.last_admission_step = -1
         self.completed = 0
@@ -312,6 +313,7 @@ class MetricsCollector:
             # lookahead had a say
             "lookahead_rounds": len(self.gammas),
             "gamma_zero_rounds": self.as_br0_rounds,
+            "br0_check_rounds": self.br0_check_rounds,
             "drain_steps": drain, "makespan_s": clock, "routing_steps": int(steps_in_window),
             # every output token over the whole run, drain included: the same work for every
             # policy, so its ratio is not moved by which requests a policy left for the drain
@@ -446,6 +448,7 @@ class Simulation:
         if "gamma" in stats.extra:
             self.metrics.gammas.append(stats.extra["gamma"])
         self.metrics.as_br0_rounds += int(stats.extra.get("as_br0", False))
+        self.metrics.br0_check_rounds += int(stats.extra.get("br0_check", False))
         self.metrics.guard_waits += len(stats.waited)
         self.metrics.patience_admissions += stats.patience_admissions
         if not decision.assignments:

@@ -234,6 +234,36 @@ def test_own_wait_horizon_never_is_the_rule_before_over_rest_and_cli(tmp_path):
         assert cli == rows[key]
 
 
+def test_br0_check_over_rest_and_cli(tmp_path):
+    """``br0_check`` reaches BR-H as ``--br0-check`` does (equal rows, some rounds taken as
+    BR-0's), ``never``/null is no check, and a negative value is refused naming the field."""
+    content = short_output_csv(tmp_path / "t.csv")
+    rows = {}
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'c.db'}"))) as c:
+        for key, value in (("never", None), ("zero", 0.0)):
+            job = wait(c, c.post("/v1/ab-comparisons", json={
+                "policies": ["brh-oracle"], "workers": [4], "batch": 8, "load": "backlog",
+                "myopic_horizon": 1.0, "br0_check": value,
+                "trace": {"format": "csv", "content": content}}).json()["id"])
+            assert job["status"] == "done", job
+            rows[key] = [{k: v for k, v in r.items() if k != "sim_wall_s"}
+                         for r in job["results"]]
+        refused = c.post("/v1/ab-comparisons", json={
+            "policies": ["brh-oracle"], "workers": [4], "br0_check": -1,
+            "trace": {"format": "csv", "content": content}})
+        assert refused.status_code == 422
+        assert "br0_check" in refused.text
+    assert rows["zero"][0]["br0_check_rounds"] > 0 == rows["never"][0]["br0_check_rounds"]
+    for value, key in (("never", "never"), ("0", "zero")):
+        out = tmp_path / f"cli-{key}.json"
+        main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "brh-oracle",
+              "--workers", "4", "--batch", "8", "--load", "backlog", "--myopic-horizon", "1",
+              "--br0-check", value, "--quiet", "--json", str(out)])
+        cli = [{k: v for k, v in r.items() if k != "sim_wall_s"}
+               for r in json.loads(out.read_text())]
+        assert cli == rows[key]
+
+
 def test_replaying_the_services_own_observations(tmp_path):
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'obs.db'}")
     with TestClient(create_app(settings)) as c:

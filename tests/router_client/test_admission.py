@@ -19,6 +19,7 @@ from router_client.admission import (
 )
 from router_client.errors import ParameterError, UnknownPolicyError
 from router_client.fleet import ArrivalRate, FleetView, WaitingRequest
+from router_client.fscore import candidate_rows
 from router_client.policies import BalanceRoutePolicy, make_policy
 from router_client.simulator import DEFAULT_STEP_COST
 
@@ -304,6 +305,63 @@ def test_a_long_view_waits_on_its_own_f():
     assert differ > 0
 
 
+def _round_measure(fleet, pool, params, gamma, admitted):
+    """BR-H's own measure of a round, from its definition rather than the router's sums:
+    alpha times the discounted work the admissions add, less beta times the discounted rise
+    of the envelope (the fleet's highest projected load at each step) that they cause."""
+    table = build_table(fleet, params, None, gamma)
+    loads, d = table.loads.copy(), table.d
+    rows = candidate_rows(np.array([float(r.prompt_tokens) for r in pool]), None,
+                          params.horizon)
+    before = loads.max(axis=0)
+    added = np.zeros_like(d)
+    for a in admitted:
+        loads[a.worker] += rows[a.pool_index]
+        added += rows[a.pool_index]
+    beta = params.effective_beta(fleet.workers)
+    return params.alpha * float(added @ d) - beta * float((loads.max(axis=0) - before) @ d)
+
+
+def test_a_round_checked_against_br0s():
+    """``br0_check``: BR-H's round stands only where its own measure is above that of BR-0's
+    round from the same state (by more than ``br0_check`` candidates' discounted fill);
+    otherwise the round is BR-0's. The measure here is computed from its definition (work
+    added less beta times the envelope's rise, discounted), independently of the router's
+    summed F; both outcomes occur, a huge threshold always gives BR-0's round, and None
+    changes nothing."""
+    rng = np.random.default_rng(23)
+    kept = replaced = 0
+    for _ in range(150):
+        fleet = random_fleet(rng, int(rng.integers(2, 6)), int(rng.integers(2, 8)))
+        pool = random_pool(rng, int(rng.integers(1, 40)))
+        params = BalanceRouteParams(own_wait_horizon=None)
+        own, stats = route_round(fleet, pool, params)
+        br0, _ = route_round(fleet, pool, BalanceRouteParams.br0())
+        checked, checked_stats = route_round(fleet, pool, replace(params, br0_check=0.0))
+        huge, _ = route_round(fleet, pool, replace(params, br0_check=1e12))
+        same = ({(a.pool_index, a.worker) for a in own}
+                == {(a.pool_index, a.worker) for a in br0})
+        if stats.extra.get("as_br0") or same:
+            assert checked == own and huge == own
+            continue
+        gamma = stats.extra["gamma"]
+        gain = (_round_measure(fleet, pool, params, gamma, own)
+                - _round_measure(fleet, pool, params, gamma, br0))
+        scale = abs(_round_measure(fleet, pool, params, gamma, own)) + 1.0
+        assert huge == br0
+        if abs(gain) < 1e-9 * scale:
+            continue  # a tie to rounding: either is right
+        if gain > 0:
+            assert checked == own
+            assert not checked_stats.extra.get("br0_check")
+            kept += 1
+        else:
+            assert checked == br0
+            assert checked_stats.extra["br0_check"] and checked_stats.used_prediction
+            replaced += 1
+    assert kept > 0 and replaced > 0
+
+
 def test_turnover_discount_is_used_and_reported():
     rng = np.random.default_rng(5)
     fleet, pool = random_fleet(rng, 4, 8), random_pool(rng, 20)
@@ -319,7 +377,8 @@ def test_turnover_discount_is_used_and_reported():
                                           ("horizon", -1), ("stage1", "nope"), ("alpha", 0.0),
                                           ("guard", "never"), ("zero_gamma_rules", "x"),
                                           ("myopic_horizon", 0.5),
-                                          ("own_wait_horizon", 0.5)])
+                                          ("own_wait_horizon", 0.5),
+                                          ("br0_check", -0.1)])
 def test_params_validation_names_the_field(field, value):
     with pytest.raises(ParameterError, match=field):
         BalanceRouteParams(**{field: value})

@@ -225,7 +225,8 @@ def test_rounds_at_gamma_0_are_counted_and_routed_as_br0():
     assert br0["lookahead_rounds"] == br0["gamma_zero_rounds"] == 0
     assert brh["gamma_zero_rounds"] == brh["lookahead_rounds"] > 0
     assert brh["gamma_mean"] == 0.0
-    ignored = {"policy", "sim_wall_s", "gamma_mean", "lookahead_rounds", "gamma_zero_rounds"}
+    ignored = {"policy", "sim_wall_s", "gamma_mean", "lookahead_rounds", "gamma_zero_rounds",
+               "br0_check_rounds"}
     assert {k: v for k, v in brh.items() if k not in ignored} == \
         {k: v for k, v in br0.items() if k not in ignored}
     long = synthesize("synth:long:n=400")

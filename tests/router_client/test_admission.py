@@ -324,11 +324,12 @@ def _round_measure(fleet, pool, params, gamma, admitted):
 
 def test_a_round_checked_against_br0s():
     """``br0_check``: BR-H's round stands only where its own measure is above that of BR-0's
-    round from the same state (by more than ``br0_check`` candidates' discounted fill);
-    otherwise the round is BR-0's. The measure here is computed from its definition (work
-    added less beta times the envelope's rise, discounted), independently of the router's
-    summed F; both outcomes occur, a huge threshold always gives BR-0's round, and None
-    changes nothing."""
+    round from the same state by more than ``br0_check`` candidates' discounted fill (the
+    mean over the first ``r_max`` candidates of ``alpha`` times a row's discounted work);
+    otherwise the round is BR-0's. The measure and the scale here are computed from their
+    definitions (work added less beta times the envelope's rise, discounted), independently
+    of the router's summed F; both outcomes occur, a threshold on either side of a round's
+    own gain decides it, a huge one always gives BR-0's round, and None changes nothing."""
     rng = np.random.default_rng(23)
     kept = replaced = 0
     for _ in range(150):
@@ -351,9 +352,18 @@ def test_a_round_checked_against_br0s():
         assert huge == br0
         if abs(gain) < 1e-9 * scale:
             continue  # a tie to rounding: either is right
+        table = build_table(fleet, params, None, gamma)
+        rows = candidate_rows(np.array([float(r.prompt_tokens) for r in pool]), None,
+                              params.horizon)[: params.effective_r_max(fleet.workers)]
+        candidates = gain / (params.alpha * float((rows @ table.d).mean()))
+        if candidates > 1e-6:  # a threshold on either side of the gain decides it
+            below, _ = route_round(fleet, pool, replace(params, br0_check=0.5 * candidates))
+            above, _ = route_round(fleet, pool, replace(params, br0_check=2.0 * candidates))
+            assert below == own and above == br0
         if gain > 0:
             assert checked == own
             assert not checked_stats.extra.get("br0_check")
+            assert checked_stats.extra["br0_check_gain"] == pytest.approx(candidates)
             kept += 1
         else:
             assert checked == br0

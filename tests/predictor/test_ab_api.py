@@ -31,6 +31,27 @@ def wait(client, job_id, seconds=120):
     pytest.fail(f"job {job_id} did not finish: {job}")
 
 
+def timeless(rows):
+    """The rows without their wall time (the one field in which identical runs differ)."""
+    return [{k: v for k, v in r.items() if k != "sim_wall_s"} for r in rows]
+
+
+def brh_rows(client, content, **fields):
+    """``brh-oracle`` at G = 4, B = 8, backlog over REST on a CSV trace, with ``fields``."""
+    job = wait(client, client.post("/v1/ab-comparisons", json={
+        "policies": ["brh-oracle"], "workers": [4], "batch": 8, "load": "backlog", **fields,
+        "trace": {"format": "csv", "content": content}}).json()["id"])
+    assert job["status"] == "done", job
+    return timeless(job["results"])
+
+
+def brh_cli_rows(trace, out, *options):
+    """The same run as :func:`brh_rows` from the CLI, with ``options``."""
+    main(["ab", "--trace", str(trace), "--policies", "brh-oracle", "--workers", "4", "--batch",
+          "8", "--load", "backlog", *options, "--quiet", "--json", str(out)])
+    return timeless(json.loads(out.read_text()))
+
+
 def test_rest_comparison_equals_the_cli(tmp_path):
     content = csv_trace()
     (tmp_path / "t.csv").write_text(content)
@@ -132,8 +153,7 @@ def test_rest_comparison_takes_the_stage2_order_as_the_cli_does(tmp_path):
                 "load": "backlog", "guard": guard, "step_cost": [1.5e-7, 0.0],
                 "trace": {"format": "csv", "content": content}}).json()["id"])
             assert job["status"] == "done", job
-            guarded[guard] = [{k: v for k, v in r.items() if k != "sim_wall_s"}
-                              for r in job["results"]]
+            guarded[guard] = timeless(job["results"])
     for br0, brh in (guarded["always"], guarded["idle"]):  # the setting reaches both
         assert (br0["policy"], brh["policy"]) == ("br0", "brh-oracle")
     assert guarded["always"][0] != guarded["idle"][0]
@@ -174,13 +194,7 @@ def test_rest_comparison_takes_the_myopic_horizon_as_the_cli_does(tmp_path):
     rows = {}
     with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'm.db'}"))) as c:
         for steps in (1.0, 1.5):
-            job = wait(c, c.post("/v1/ab-comparisons", json={
-                "policies": ["brh-oracle"], "workers": [4], "batch": 8, "load": "backlog",
-                "myopic_horizon": steps,
-                "trace": {"format": "csv", "content": content}}).json()["id"])
-            assert job["status"] == "done", job
-            rows[steps] = [{k: v for k, v in r.items() if k != "sim_wall_s"}
-                           for r in job["results"]]
+            rows[steps] = brh_rows(c, content, myopic_horizon=steps)
         refused = c.post("/v1/ab-comparisons", json={
             "policies": ["brh-oracle"], "workers": [4], "myopic_horizon": 0.5,
             "trace": {"format": "csv", "content": content}})
@@ -192,12 +206,8 @@ def test_rest_comparison_takes_the_myopic_horizon_as_the_cli_does(tmp_path):
         assert refused.status_code == 422
         assert "own_wait_horizon" in refused.text
     assert rows[1.0][0]["gamma_zero_rounds"] < rows[1.5][0]["gamma_zero_rounds"]
-    main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "brh-oracle", "--workers",
-          "4", "--batch", "8", "--load", "backlog", "--myopic-horizon", "1", "--quiet",
-          "--json", str(tmp_path / "cli.json")])
-    cli = [{k: v for k, v in r.items() if k != "sim_wall_s"}
-           for r in json.loads((tmp_path / "cli.json").read_text())]
-    assert cli == rows[1.0]
+    assert brh_cli_rows(tmp_path / "t.csv", tmp_path / "cli.json",
+                        "--myopic-horizon", "1") == rows[1.0]
 
 
 def test_own_wait_horizon_never_is_the_rule_before_over_rest_and_cli(tmp_path):
@@ -213,24 +223,12 @@ def test_own_wait_horizon_never_is_the_rule_before_over_rest_and_cli(tmp_path):
     rows = {}
     with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'w.db'}"))) as c:
         for key, value in (("never", None), ("default", 12)):
-            job = wait(c, c.post("/v1/ab-comparisons", json={
-                "policies": ["brh-oracle"], "workers": [4], "batch": 8, "load": "backlog",
-                "own_wait_horizon": value,
-                "trace": {"format": "csv", "content": path.read_text()}}
-                ).json()["id"])
-            assert job["status"] == "done", job
-            rows[key] = [{k: v for k, v in r.items() if k != "sim_wall_s"}
-                         for r in job["results"]]
+            rows[key] = brh_rows(c, path.read_text(), own_wait_horizon=value)
     assert rows["default"][0]["guard_waits"] > rows["never"][0]["guard_waits"]
     assert rows["never"] != rows["default"]
     for value, key in (("never", "never"), ("12", "default")):
-        out = tmp_path / f"cli-{key}.json"
-        main(["ab", "--trace", str(path), "--policies", "brh-oracle", "--workers", "4", "--batch",
-              "8", "--load", "backlog", "--own-wait-horizon", value, "--quiet", "--json",
-              str(out)])
-        cli = [{k: v for k, v in r.items() if k != "sim_wall_s"}
-               for r in json.loads(out.read_text())]
-        assert cli == rows[key]
+        assert brh_cli_rows(path, tmp_path / f"cli-{key}.json",
+                            "--own-wait-horizon", value) == rows[key]
 
 
 def test_br0_check_over_rest_and_cli(tmp_path):
@@ -240,13 +238,7 @@ def test_br0_check_over_rest_and_cli(tmp_path):
     rows = {}
     with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'c.db'}"))) as c:
         for key, value in (("never", None), ("zero", 0.0)):
-            job = wait(c, c.post("/v1/ab-comparisons", json={
-                "policies": ["brh-oracle"], "workers": [4], "batch": 8, "load": "backlog",
-                "myopic_horizon": 1.0, "br0_check": value,
-                "trace": {"format": "csv", "content": content}}).json()["id"])
-            assert job["status"] == "done", job
-            rows[key] = [{k: v for k, v in r.items() if k != "sim_wall_s"}
-                         for r in job["results"]]
+            rows[key] = brh_rows(c, content, myopic_horizon=1.0, br0_check=value)
         refused = c.post("/v1/ab-comparisons", json={
             "policies": ["brh-oracle"], "workers": [4], "br0_check": -1,
             "trace": {"format": "csv", "content": content}})
@@ -254,13 +246,8 @@ def test_br0_check_over_rest_and_cli(tmp_path):
         assert "br0_check" in refused.text
     assert rows["zero"][0]["br0_check_rounds"] > 0 == rows["never"][0]["br0_check_rounds"]
     for value, key in (("never", "never"), ("0", "zero")):
-        out = tmp_path / f"cli-{key}.json"
-        main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "brh-oracle",
-              "--workers", "4", "--batch", "8", "--load", "backlog", "--myopic-horizon", "1",
-              "--br0-check", value, "--quiet", "--json", str(out)])
-        cli = [{k: v for k, v in r.items() if k != "sim_wall_s"}
-               for r in json.loads(out.read_text())]
-        assert cli == rows[key]
+        assert brh_cli_rows(tmp_path / "t.csv", tmp_path / f"cli-{key}.json",
+                            "--myopic-horizon", "1", "--br0-check", value) == rows[key]
 
 
 def test_replaying_the_services_own_observations(tmp_path):

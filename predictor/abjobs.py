@@ -107,7 +107,10 @@ def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
                                   own_wait_horizon=request.get(
                                       "own_wait_horizon", BalanceRouteParams.own_wait_horizon),
                                   br0_check=request.get(
-                                      "br0_check", BalanceRouteParams.br0_check)))
+                                      "br0_check", BalanceRouteParams.br0_check),
+                                  learned_beta_scale=request.get(
+                                      "learned_beta_scale",
+                                      BalanceRouteParams.learned_beta_scale)))
     return comparison.rows
 
 

@@ -203,6 +203,10 @@ def _add_ab(sub) -> None:
     ab.add_argument("--beta", type=float, default=None,
                     help="BR-H overflow weight (default alpha*G: each step on BR-0's scale; "
                     "the paper's deployment value is 43; BR-0 always uses G)")
+    ab.add_argument("--learned-beta-scale", type=float,
+                    default=BalanceRouteParams.learned_beta_scale, metavar="X",
+                    help="BR-H with a learned law and --beta unset: an overflow weight of X "
+                    "times alpha*G (default 1; true lengths are never scaled; see the README)")
     ab.add_argument("--candidate-life", action=argparse.BooleanOptionalAction, default=True,
                     help="BR-H scores a candidate by its projected added work (s + h while its "
                     "own c_hat says it runs); --no-candidate-life: the paper's constant D")
@@ -419,6 +423,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         trace, args.policies, args.workers, config, Progress(not args.quiet),
         predictor_factory=factory,
         params=BalanceRouteParams(beta=args.beta, gamma=args.gamma, r_max=args.rmax,
+                                  learned_beta_scale=args.learned_beta_scale,
                                   turnover_scale=args.turnover_scale,
                                   s_greedy=args.s_greedy, stage1=args.stage1,
                                   candidate_life=args.candidate_life, refill=args.refill,

@@ -123,6 +123,10 @@ class BalanceRouteParams:
         horizon: ``H``, lookahead steps; 0 makes the policy BR-0.
         alpha: weight of the fill benefit.
         beta: weight of the overflow penalty; ``None`` means ``alpha * G`` (for BR-0: ``G``).
+        learned_beta_scale: with a learned law (``FleetView.active_p_fin`` and ``active_mu_rem``
+            given) and ``beta`` unset, the overflow weight is this many times ``alpha * G``
+            (1: ``alpha * G`` as with true lengths; true lengths are never scaled). A round of a
+            one-step horizon is BR-0's only where the weight is ``alpha * G``.
         gamma: per-step discount in (0, 1]; ``None``: from the fleet's turnover each round
             (:func:`turnover_gamma`).
         turnover_scale: with ``gamma=None``, the effective horizon ``1 / (1 - gamma)`` is this
@@ -294,6 +298,7 @@ class BalanceRouteParams:
     horizon: int = 80
     alpha: float = 1.0
     beta: float | None = None
+    learned_beta_scale: float = 1.0
     gamma: float | None = None
     turnover_scale: float = 1.0
     turnover_arrivals: bool = True
@@ -363,6 +368,8 @@ class BalanceRouteParams:
             raise ParameterError("myopic_horizon", "must be >= 1 step (1: only rounds at gamma 0)")
         if self.br0_check is not None and not 0.0 <= self.br0_check < float("inf"):
             raise ParameterError("br0_check", "must be a number >= 0 (or None: never)")
+        if not 0.0 < self.learned_beta_scale < float("inf"):
+            raise ParameterError("learned_beta_scale", "must be a number > 0")
         if self.short_pool_growth not in SHORT_POOL_GROWTHS:
             raise ParameterError("short_pool_growth",
                                  f"must be one of {', '.join(SHORT_POOL_GROWTHS)}")
@@ -391,10 +398,12 @@ class BalanceRouteParams:
         settings.update(overrides)
         return cls(**settings)  # type: ignore[arg-type]
 
-    def effective_beta(self, workers: int) -> float:
-        """``beta``, or ``alpha * G`` when unset; in BR-0 (horizon 0) it must be G."""
+    def effective_beta(self, workers: int, learned: bool = False) -> float:
+        """``beta``, or ``alpha * G`` when unset (times ``learned_beta_scale`` for a round
+        with a ``learned`` law); in BR-0 (horizon 0) it must be G."""
         if self.beta is None:
-            return float(self.alpha * workers)
+            scale = self.learned_beta_scale if learned and self.horizon > 0 else 1.0
+            return float(self.alpha * workers * scale)
         if self.horizon == 0 and self.beta != workers:
             raise ParameterError(
                 "beta", f"BR-0 (horizon 0) forces beta = G = {workers}, got {self.beta:g}"
@@ -489,7 +498,7 @@ def build_table(fleet: FleetView, params: BalanceRouteParams,
     the size of the request taking each slot emptied within the window (None: none);
     ``gamma``: the round's discount when already known (else ``params.gamma``, or the
     turnover discount)."""
-    beta = params.effective_beta(fleet.workers)
+    beta = params.effective_beta(fleet.workers, fleet.has_law)
     if fleet.active_c_hat is None:
         if params.horizon > 0:
             raise ValueError("BR-H needs c_hat for every active request")
@@ -668,7 +677,7 @@ def route_round(
                                params.end_shape)
         if gamma <= 0.0 or 1.0 / (1.0 - gamma) < params.myopic_horizon:
             stats.extra["gamma"] = max(gamma, 0.0)
-            if params.effective_beta(fleet.workers) == params.alpha * fleet.workers:
+            if params.effective_beta(fleet.workers, fleet.has_law) == params.alpha * fleet.workers:
                 # The next admission to a worker comes within a step (rounded to whole
                 # steps: ``myopic_horizon``): nothing the lookahead sees outlives this
                 # round's decisions, and BR-H with gamma 0 and beta = alpha G is BR-0's score

@@ -82,6 +82,11 @@ class FleetView:
     down: np.ndarray | None = None
 
     @property
+    def has_law(self) -> bool:
+        """Whether the active requests come with a learned law (``p_fin`` and ``mu_rem``)."""
+        return self.active_p_fin is not None and self.active_mu_rem is not None
+
+    @property
     def workers(self) -> int:
         return int(self.loads.shape[0])
 

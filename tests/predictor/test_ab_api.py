@@ -250,6 +250,32 @@ def test_br0_check_over_rest_and_cli(tmp_path):
                             "--myopic-horizon", "1", "--br0-check", value) == rows[key]
 
 
+def test_learned_beta_scale_over_rest_and_cli(tmp_path):
+    """``learned_beta_scale`` reaches learned BR-H as ``--learned-beta-scale`` does (equal rows;
+    at 2 the learned rows move, the oracle's do not), and 0 is refused naming the field."""
+    content = csv_trace()
+    (tmp_path / "t.csv").write_text(content)
+    common = {"policies": ["brh-survival", "brh-oracle"], "workers": [4], "batch": 8,
+              "load": "backlog", "trace": {"format": "csv", "content": content}}
+    rows = {}
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'b.db'}"))) as c:
+        for key, value in (("one", 1.0), ("two", 2.0)):
+            job = wait(c, c.post("/v1/ab-comparisons",
+                                 json={**common, "learned_beta_scale": value}).json()["id"])
+            assert job["status"] == "done", job
+            rows[key] = timeless(job["results"])
+        refused = c.post("/v1/ab-comparisons", json={**common, "learned_beta_scale": 0})
+        assert refused.status_code == 422
+        assert "learned_beta_scale" in refused.text
+    assert rows["two"][0] != rows["one"][0]  # brh-survival
+    assert rows["two"][1] == rows["one"][1]  # brh-oracle: true lengths are not scaled
+    for value, key in (("1", "one"), ("2", "two")):
+        main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "brh-survival,brh-oracle",
+              "--workers", "4", "--batch", "8", "--load", "backlog", "--learned-beta-scale",
+              value, "--quiet", "--json", str(tmp_path / f"{key}.json")])
+        assert timeless(json.loads((tmp_path / f"{key}.json").read_text())) == rows[key]
+
+
 def test_replaying_the_services_own_observations(tmp_path):
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'obs.db'}")
     with TestClient(create_app(settings)) as c:

@@ -987,6 +987,47 @@ def test_a_short_pool_with_a_learned_law_is_placed_as_br0_places_it():
             == route_round(learned, long_pool, lookahead)[0])
 
 
+def test_learned_beta_scale_weighs_only_a_learned_laws_overflow():
+    """``learned_beta_scale=X``: with a learned law and ``beta`` unset the overflow weight is
+    ``X * alpha * G``, so its rounds are exactly those of ``beta = X * alpha * G``; true lengths,
+    BR-0 and an explicit ``beta`` are not scaled (same rounds as at scale 1), and a round of a
+    one-step horizon is BR-0's only at scale 1."""
+    rng = np.random.default_rng(11)
+    scaled = BalanceRouteParams(horizon=12, gamma=0.8, alpha=1.5, learned_beta_scale=2.5)
+    plain = replace(scaled, learned_beta_scale=1.0)
+    changed = 0
+    for _ in range(60):
+        workers, active = 4, 10
+        worker = rng.integers(0, workers, active)
+        size = rng.integers(100, 3000, active).astype(np.float64)
+        loads = np.bincount(worker, weights=size, minlength=workers)
+        counts = np.bincount(worker, minlength=workers)
+        c_hat = rng.uniform(1, 12, active)
+        base = FleetView(4, loads, counts, worker, size, active_c_hat=c_hat)
+        learned = replace(base, active_p_fin=rng.uniform(0, 1, active),
+                          active_mu_rem=rng.uniform(0, 12, active))
+        pool = [WaitingRequest(str(i), int(rng.integers(50, 4000))) for i in range(7)]
+        assert build_table(learned, scaled).beta == pytest.approx(2.5 * 1.5 * workers)
+        assert build_table(base, scaled).beta == pytest.approx(1.5 * workers)
+        explicit = replace(scaled, beta=2.5 * 1.5 * workers, learned_beta_scale=1.0)
+        assert route_round(learned, pool, scaled)[0] == route_round(learned, pool, explicit)[0]
+        assert route_round(base, pool, scaled)[0] == route_round(base, pool, plain)[0]
+        assert (route_round(learned, pool, replace(scaled, beta=7.0))[0]
+                == route_round(learned, pool, replace(plain, beta=7.0))[0])
+        changed += route_round(learned, pool, scaled)[0] != route_round(learned, pool, plain)[0]
+    assert changed > 0  # the scale reaches the decisions
+    br0 = BalanceRouteParams.br0(learned_beta_scale=2.5)
+    assert build_table(replace(learned, active_c_hat=None), br0).beta == workers
+    # every round below the myopic horizon (the turnover discount): BR-0's at scale 1 only
+    myopic = dict(horizon=12, myopic_horizon=1e6)
+    assert route_round(learned, pool, BalanceRouteParams(**myopic))[1].extra.get("as_br0")
+    assert not route_round(learned, pool, BalanceRouteParams(
+        **myopic, learned_beta_scale=2.0))[1].extra.get("as_br0")
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ParameterError, match="learned_beta_scale"):
+            BalanceRouteParams(learned_beta_scale=bad)
+
+
 def test_expected_completions_under_the_law_match_ramp_by_ramp():
     """With the uniform end-time law, the breakpoint construction of n(t) equals evaluating
     every request's uniform ramp at every t (the O(n H) definition), steps (mu_rem 0)

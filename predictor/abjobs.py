@@ -106,6 +106,8 @@ def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
                                       "myopic_horizon", BalanceRouteParams.myopic_horizon),
                                   own_wait_horizon=request.get(
                                       "own_wait_horizon", BalanceRouteParams.own_wait_horizon),
+                                  own_wait_learned=request.get(
+                                      "own_wait_learned", BalanceRouteParams.own_wait_learned),
                                   br0_check=request.get(
                                       "br0_check", BalanceRouteParams.br0_check),
                                   learned_beta_scale=request.get(

@@ -170,6 +170,10 @@ def _add_stage2_options(ab) -> None:
                     "reaches this many steps leaves a worker's slots empty wherever its own "
                     "F of every subset is <= 0 (default 12; never: the rule before; see the "
                     "README)")
+    ab.add_argument("--own-wait-learned", action=argparse.BooleanOptionalAction,
+                    default=BalanceRouteParams.own_wait_learned,
+                    help="the own wait (--own-wait-horizon) also in rounds with a learned law "
+                    "(the rule from 2026-12-06 to 2026-12-07; default: with true lengths only)")
     ab.add_argument("--br0-check", type=_number_or_never,
                     default=BalanceRouteParams.br0_check, metavar="CANDIDATES",
                     help="a BR-H round stands only where its own measure (summed F) is above "
@@ -439,6 +443,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   zero_gamma_rules=args.zero_gamma_rules,
                                   myopic_horizon=args.myopic_horizon,
                                   own_wait_horizon=args.own_wait_horizon,
+                                  own_wait_learned=args.own_wait_learned,
                                   br0_check=args.br0_check),
     )
     print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "

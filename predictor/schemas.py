@@ -558,6 +558,10 @@ class AbComparisonIn(ReplayIn):
         description="with the guard idle, a BR-H round whose effective horizon 1/(1-gamma) "
         "reaches this many steps leaves a worker's slots empty wherever its own F of every "
         "subset is <= 0 (12, the default; null: never, the rule before 2026-12-06)")
+    own_wait_learned: Annotated[bool, Field(strict=True)] = Field(
+        BalanceRouteParams.own_wait_learned,
+        description="the own wait (own_wait_horizon) also in rounds with a learned law (the "
+        "rule from 2026-12-06 to 2026-12-07; false, the default: with true lengths only)")
     learned_beta_scale: Annotated[float, Field(gt=0.0, le=1_000_000.0)] = Field(
         BalanceRouteParams.learned_beta_scale,
         description="BR-H with a learned law: an overflow weight of this many times alpha * G "

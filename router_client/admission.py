@@ -265,7 +265,12 @@ class BalanceRouteParams:
             0.8x target at G = 4 over six draws of 10,000 (0.742x against 0.840x) and left
             Mooncake as it was. 8 gained more on synth:long but raised BR-H's imbalance on
             Mooncake; ``None``: never, the rule before (see the README, "A long view that
-            waits on its own F").
+            waits on its own F"). With true lengths only, unless ``own_wait_learned``.
+        own_wait_learned: ``own_wait_horizon`` applies to rounds with a learned law too (the
+            rule from 2026-12-06 to 2026-12-07). False (default): only where the loads are
+            known; with a learned law F <= 0 comes mostly from the expected overflow of
+            uncertain loads, and leaving slots empty on it cost learned BR-H up to 1.4% of
+            BR-0's throughput on synth:long at load 1.5, G = 4 (see the README).
         short_pool_growth: how ``lpt-fit`` and ``lpt`` (``short_pool``) project the workers'
             growth when they score a short pool's request by F from point lengths
             (``c_hat`` without a law; true lengths in ``brh-oracle``):
@@ -323,6 +328,7 @@ class BalanceRouteParams:
     zero_gamma_rules: ZeroGammaRules = "br0"
     myopic_horizon: float = 1.5
     own_wait_horizon: float | None = 12.0
+    own_wait_learned: bool = False
     short_pool_growth: ShortPoolGrowth = "filling"
     br0_check: float | None = None
 
@@ -1075,7 +1081,8 @@ class _Round:
         business."""
         if not self._guard_waits() or self.free[worker] >= self.fleet.capacity:
             return False  # an empty worker never waits: nothing else would fill it
-        if self._reaches(self.params.own_wait_horizon):
+        if (self.params.own_wait_learned or not self.fleet.has_law) and self._reaches(
+                self.params.own_wait_horizon):
             return True  # a long view: the lookahead's own objection (F <= 0) stands
         context = self._wait_context()
         pays = fastpath.overflow_pays(self.sizes[candidates], self.table.current_margin(worker),

@@ -231,6 +231,33 @@ def test_own_wait_horizon_never_is_the_rule_before_over_rest_and_cli(tmp_path):
                             "--own-wait-horizon", value) == rows[key]
 
 
+def test_own_wait_learned_over_rest_and_cli(tmp_path):
+    """The own wait leaves learned BR-H alone by default; ``own_wait_learned`` (REST) and
+    ``--own-wait-learned`` (CLI) bring it back there (equal rows, more waits on long outputs,
+    so the learned rows move), and the oracle's rows are the same either way."""
+    long_outputs = synthesize("synth:long:n=300")
+    content = "arrival_s,prompt_tokens,output_tokens\n" + "".join(
+        f"{i * 0.01:.2f},{int(p)},{int(o)}\n" for i, (p, o) in
+        enumerate(zip(long_outputs.prompt_tokens, long_outputs.output_tokens, strict=True)))
+    (tmp_path / "long.csv").write_text(content)
+    common = {"policies": ["brh-survival", "brh-oracle"], "workers": [4], "batch": 8,
+              "load": "backlog", "trace": {"format": "csv", "content": content}}
+    rows = {}
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'o.db'}"))) as c:
+        for key, value in (("default", False), ("learned", True)):
+            job = wait(c, c.post("/v1/ab-comparisons",
+                                 json={**common, "own_wait_learned": value}).json()["id"])
+            assert job["status"] == "done", job
+            rows[key] = timeless(job["results"])
+    assert rows["learned"][0]["guard_waits"] > rows["default"][0]["guard_waits"]
+    assert rows["learned"][1] == rows["default"][1]  # brh-oracle
+    for flag, key in (("--no-own-wait-learned", "default"), ("--own-wait-learned", "learned")):
+        main(["ab", "--trace", str(tmp_path / "long.csv"), "--policies",
+              "brh-survival,brh-oracle", "--workers", "4", "--batch", "8", "--load", "backlog",
+              flag, "--quiet", "--json", str(tmp_path / f"{key}.json")])
+        assert timeless(json.loads((tmp_path / f"{key}.json").read_text())) == rows[key]
+
+
 def test_br0_check_over_rest_and_cli(tmp_path):
     """``br0_check`` reaches BR-H as ``--br0-check`` does (equal rows, some rounds taken as
     BR-0's), ``never``/null is no check, and a negative value is refused naming the field."""

@@ -305,6 +305,28 @@ def test_a_long_view_waits_on_its_own_f():
     assert differ > 0
 
 
+def test_a_long_view_waits_on_its_own_f_with_known_loads_only():
+    """With a learned law (``p_fin``, ``mu_rem``) the own wait does not act: the round is the
+    one without it (``own_wait_horizon=None``), unless ``own_wait_learned``, which waits as
+    with known loads (so the law's rounds do differ, and the default leaves them)."""
+    rng = np.random.default_rng(19)
+    differ = 0
+    for _ in range(200):
+        fleet = random_fleet(rng, int(rng.integers(2, 6)), int(rng.integers(2, 8)))
+        n = fleet.active_size.size
+        learned = replace(fleet, active_p_fin=rng.uniform(0, 1, n),
+                          active_mu_rem=rng.uniform(0, 80, n))
+        pool = random_pool(rng, int(rng.integers(1, 40)))
+        never = route_round(learned, pool, BalanceRouteParams(own_wait_horizon=None))[0]
+        assert route_round(learned, pool, BalanceRouteParams(own_wait_horizon=1.0))[0] == never
+        waits, stats = route_round(learned, pool, BalanceRouteParams(own_wait_horizon=1.0,
+                                                                     own_wait_learned=True))
+        if waits != never:
+            differ += 1
+            assert stats.waited and len(waits) <= len(never)
+    assert differ > 0
+
+
 def _round_measure(fleet, pool, params, gamma, admitted):
     """BR-H's own measure of a round, from its definition rather than the router's sums:
     alpha times the discounted work the admissions add, less beta times the discounted rise

@@ -173,7 +173,8 @@ def _add_stage2_options(ab) -> None:
     ab.add_argument("--own-wait-learned", action=argparse.BooleanOptionalAction,
                     default=BalanceRouteParams.own_wait_learned,
                     help="the own wait (--own-wait-horizon) also in rounds with a learned law "
-                    "(the rule from 2026-12-06 to 2026-12-07; default: with true lengths only)")
+                    "(the rule from 2026-12-06 to 2026-12-07; default: only in rounds without a "
+                    "learned law: true lengths, or c_hat alone)")
     ab.add_argument("--br0-check", type=_number_or_never,
                     default=BalanceRouteParams.br0_check, metavar="CANDIDATES",
                     help="a BR-H round stands only where its own measure (summed F) is above "

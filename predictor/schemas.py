@@ -561,7 +561,8 @@ class AbComparisonIn(ReplayIn):
     own_wait_learned: Annotated[bool, Field(strict=True)] = Field(
         BalanceRouteParams.own_wait_learned,
         description="the own wait (own_wait_horizon) also in rounds with a learned law (the "
-        "rule from 2026-12-06 to 2026-12-07; false, the default: with true lengths only)")
+        "rule from 2026-12-06 to 2026-12-07; false, the default: only in rounds without a "
+        "learned law: true lengths, or c_hat alone)")
     learned_beta_scale: Annotated[float, Field(gt=0.0, le=1_000_000.0)] = Field(
         BalanceRouteParams.learned_beta_scale,
         description="BR-H with a learned law: an overflow weight of this many times alpha * G "

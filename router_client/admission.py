@@ -265,12 +265,14 @@ class BalanceRouteParams:
             0.8x target at G = 4 over six draws of 10,000 (0.742x against 0.840x) and left
             Mooncake as it was. 8 gained more on synth:long but raised BR-H's imbalance on
             Mooncake; ``None``: never, the rule before (see the README, "A long view that
-            waits on its own F"). With true lengths only, unless ``own_wait_learned``.
+            waits on its own F"). Only in rounds without a learned law (true lengths, or
+            ``c_hat`` alone), unless ``own_wait_learned``.
         own_wait_learned: ``own_wait_horizon`` applies to rounds with a learned law too (the
-            rule from 2026-12-06 to 2026-12-07). False (default): only where the loads are
-            known; with a learned law F <= 0 comes mostly from the expected overflow of
-            uncertain loads, and leaving slots empty on it cost learned BR-H up to 1.4% of
-            BR-0's throughput on synth:long at load 1.5, G = 4 (see the README).
+            rule from 2026-12-06 to 2026-12-07). False (default): only where the active
+            requests come without a law (``p_fin``, ``mu_rem``); with a learned law F <= 0
+            comes mostly from the expected overflow of uncertain loads, and leaving slots
+            empty on it cost learned BR-H up to 1.4% of BR-0's throughput on synth:long at
+            load 1.5, G = 4 (see the README).
         short_pool_growth: how ``lpt-fit`` and ``lpt`` (``short_pool``) project the workers'
             growth when they score a short pool's request by F from point lengths
             (``c_hat`` without a law; true lengths in ``brh-oracle``):
@@ -1076,7 +1078,8 @@ class _Round:
         (:func:`router_client.fastpath.overflow_pays`: BR-0's F now plus the admission's
         share of the step's fixed cost is not positive for any; where BR-H's lookahead alone
         objects it admits its best request as the guard ``always`` does, unless the round's
-        effective horizon reaches ``own_wait_horizon``: then it waits). A worker out of
+        effective horizon reaches ``own_wait_horizon`` and the fleet has no learned law, or
+        ``own_wait_learned``: then it waits). A worker out of
         patience (:attr:`impatient`) takes its best request all the same: the caller's
         business."""
         if not self._guard_waits() or self.free[worker] >= self.fleet.capacity:

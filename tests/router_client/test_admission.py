@@ -1039,8 +1039,14 @@ def test_learned_beta_scale_weighs_only_a_learned_laws_overflow():
         changed += route_round(learned, pool, scaled)[0] != route_round(learned, pool, plain)[0]
     assert changed > 0  # the scale reaches the decisions
     br0 = BalanceRouteParams.br0(learned_beta_scale=2.5)
-    assert build_table(replace(learned, active_c_hat=None), br0).beta == workers
+    assert build_table(replace(learned, active_c_hat=None), br0).beta == 4
     # every round below the myopic horizon (the turnover discount): BR-0's at scale 1 only
+    loads = np.array([900.0, 300.0, 600.0])
+    learned = FleetView(4, loads, np.array([1, 1, 1]), np.array([0, 1, 2]), loads,
+                        active_c_hat=np.array([3.0, 9.0, 5.0]),
+                        active_p_fin=np.array([0.8, 0.1, 0.4]),
+                        active_mu_rem=np.array([2.0, 8.0, 4.0]))
+    pool = [WaitingRequest(str(i), size) for i, size in enumerate((700, 200, 1500))]
     myopic = dict(horizon=12, myopic_horizon=1e6)
     assert route_round(learned, pool, BalanceRouteParams(**myopic))[1].extra.get("as_br0")
     assert not route_round(learned, pool, BalanceRouteParams(

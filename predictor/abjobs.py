@@ -88,31 +88,23 @@ def _config(request: dict) -> SimConfig:
                      refresh_steps=request["refresh_steps"], seed=request["seed"])
 
 
+# BalanceRouteParams fields the REST job takes that jobs stored before they existed lack:
+# such a job runs them at their defaults.
+_LATER_OPTIONS = ("short_pool_growth", "zero_gamma_rules", "myopic_horizon", "own_wait_horizon",
+                  "own_wait_learned", "br0_check", "learned_beta_scale")
+
+
 def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
     comparison = abtest.run_comparison(
         trace, request["policies"], request["workers"], _config(request), progress,
         params=BalanceRouteParams(stage1=request["stage1"],
                                   short_pool=request["short_pool"],
-                                  short_pool_growth=request.get(
-                                      "short_pool_growth",
-                                      BalanceRouteParams.short_pool_growth),
                                   stage2_order=request["stage2_order"],
                                   stage2_fill=request["stage2_fill"],
                                   guard=request.get("guard"),
                                   patience=request.get("patience"),
-                                  zero_gamma_rules=request.get(
-                                      "zero_gamma_rules", BalanceRouteParams.zero_gamma_rules),
-                                  myopic_horizon=request.get(
-                                      "myopic_horizon", BalanceRouteParams.myopic_horizon),
-                                  own_wait_horizon=request.get(
-                                      "own_wait_horizon", BalanceRouteParams.own_wait_horizon),
-                                  own_wait_learned=request.get(
-                                      "own_wait_learned", BalanceRouteParams.own_wait_learned),
-                                  br0_check=request.get(
-                                      "br0_check", BalanceRouteParams.br0_check),
-                                  learned_beta_scale=request.get(
-                                      "learned_beta_scale",
-                                      BalanceRouteParams.learned_beta_scale)))
+                                  **{name: request.get(name, getattr(BalanceRouteParams, name))
+                                     for name in _LATER_OPTIONS}))
     return comparison.rows
 
 

@@ -563,10 +563,15 @@ class AbComparisonIn(ReplayIn):
         description="the own wait (own_wait_horizon) also in rounds with a learned law (the "
         "rule from 2026-12-06 to 2026-12-07; false, the default: only in rounds without a "
         "learned law: true lengths, or c_hat alone)")
-    learned_beta_scale: Annotated[float, Field(gt=0.0, le=1_000_000.0)] = Field(
+    learned_beta_scale: Annotated[float, Field(strict=True, gt=0.0, le=1_000_000.0)] = Field(
         BalanceRouteParams.learned_beta_scale,
         description="BR-H with a learned law: an overflow weight of this many times alpha * G "
         "(true lengths are never scaled)")
+    learned_short_pool: Annotated[bool, Field(strict=True)] = Field(
+        BalanceRouteParams.learned_short_pool,
+        description="BR-H with a learned law places every short pool (every waiting request "
+        "admitted this round) by its lookahead (false, the default: as BR-0 places it; true "
+        "lengths are placed by the lookahead either way)")
     br0_check: Annotated[float, Field(ge=0.0, le=1_000_000.0)] | None = Field(
         BalanceRouteParams.br0_check,
         description="a BR-H round stands only where its own measure (summed F) is above "

@@ -279,7 +279,7 @@ def test_br0_check_over_rest_and_cli(tmp_path):
 
 def test_learned_beta_scale_over_rest_and_cli(tmp_path):
     """``learned_beta_scale`` reaches learned BR-H as ``--learned-beta-scale`` does (equal rows;
-    at 2 the learned rows move, the oracle's do not), and 0 is refused naming the field."""
+    at 2 the learned rows move, the oracle's do not), and 0 or true is refused naming the field."""
     content = csv_trace()
     (tmp_path / "t.csv").write_text(content)
     common = {"policies": ["brh-survival", "brh-oracle"], "workers": [4], "batch": 8,
@@ -291,15 +291,43 @@ def test_learned_beta_scale_over_rest_and_cli(tmp_path):
                                  json={**common, "learned_beta_scale": value}).json()["id"])
             assert job["status"] == "done", job
             rows[key] = timeless(job["results"])
-        refused = c.post("/v1/ab-comparisons", json={**common, "learned_beta_scale": 0})
-        assert refused.status_code == 422
-        assert "learned_beta_scale" in refused.text
+        for value in (0, True):  # true is not the number 1
+            refused = c.post("/v1/ab-comparisons", json={**common, "learned_beta_scale": value})
+            assert refused.status_code == 422
+            assert "learned_beta_scale" in refused.text
     assert rows["two"][0] != rows["one"][0]  # brh-survival
     assert rows["two"][1] == rows["one"][1]  # brh-oracle: true lengths are not scaled
     for value, key in (("1", "one"), ("2", "two")):
         main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "brh-survival,brh-oracle",
               "--workers", "4", "--batch", "8", "--load", "backlog", "--learned-beta-scale",
               value, "--quiet", "--json", str(tmp_path / f"{key}.json")])
+        assert timeless(json.loads((tmp_path / f"{key}.json").read_text())) == rows[key]
+
+
+def test_learned_short_pool_over_rest_and_cli(tmp_path):
+    """``learned_short_pool`` reaches learned BR-H as ``--learned-short-pool`` does (equal
+    rows; on, the learned rows move, the oracle's do not), and a number for it is refused
+    naming the field."""
+    content = csv_trace()
+    (tmp_path / "t.csv").write_text(content)
+    common = {"policies": ["brh-exactmatch", "brh-oracle"], "workers": [4], "batch": 8,
+              "load": 1.0, "trace": {"format": "csv", "content": content}}
+    rows = {}
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'p.db'}"))) as c:
+        for key, value in (("off", False), ("on", True)):
+            job = wait(c, c.post("/v1/ab-comparisons",
+                                 json={**common, "learned_short_pool": value}).json()["id"])
+            assert job["status"] == "done", job
+            rows[key] = timeless(job["results"])
+        refused = c.post("/v1/ab-comparisons", json={**common, "learned_short_pool": 1})
+        assert refused.status_code == 422
+        assert "learned_short_pool" in refused.text
+    assert rows["on"][0] != rows["off"][0]  # brh-exactmatch
+    assert rows["on"][1] == rows["off"][1]  # brh-oracle: true lengths use the lookahead anyway
+    for flag, key in (("--no-learned-short-pool", "off"), ("--learned-short-pool", "on")):
+        main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies",
+              "brh-exactmatch,brh-oracle", "--workers", "4", "--batch", "8", "--load", "1.0",
+              flag, "--quiet", "--json", str(tmp_path / f"{key}.json")])
         assert timeless(json.loads((tmp_path / f"{key}.json").read_text())) == rows[key]
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -49,6 +50,7 @@ from starlette.routing import Route
 from predictor.asgi import BODY_LIMIT, MIN_BODY_LIMIT, BodyLimit, body_budget
 from router_client.admission import GUARD_RULES, BalanceRouteParams, GuardRule
 from router_client.client import RouterClient, RouterConfig
+from router_client.errors import ParameterError
 from router_client.http_predictor import HttpPredictor
 from router_client.policies import make_policy
 from router_client.predictors import Predictor
@@ -71,6 +73,9 @@ log = logging.getLogger("balanceroute.proxy")
 # prediction service's ExactMatch groups requests by this key (API.md's prompt_key); without
 # it, the key is the xxh3_64 hash of the prompt (or messages) JSON.
 PROMPT_KEY_HEADER = "x-prompt-key"
+# BR parameters that have proxy options of their own (not --param)
+_OWN_OPTIONS = {"guard": "--guard", "step_overhead": "--step-overhead",
+                "patience": "--patience"}
 MAX_PROMPT_KEY = 256
 
 PREFILL_PROBE_KV = {"do_remote_decode": True, "do_remote_prefill": False,
@@ -104,6 +109,9 @@ class ProxyConfig:
     guard: GuardRule | None = None  # BR's starvation guard (None: idle for brh, always for br0)
     step_overhead: float | None = None  # b / a of the ranks' step time, KV tokens
     patience: int | None = None  # rounds in a row the guard idle may hold one rank back
+    # BalanceRouteParams fields by name, as text (--param NAME=VALUE): the rest of BR's
+    # settings (BalanceRouteParams.with_settings reads and checks them)
+    settings: tuple[tuple[str, str], ...] = ()
     max_body_bytes: int = BODY_LIMIT  # 413 past it (a 128k-token prompt: about 0.5 MB)
     max_inflight_body_bytes: int | None = None  # all bodies held at once; 503 past it
     # (None: BODY_BUDGET, or max_body_bytes if larger)
@@ -130,6 +138,15 @@ class ProxyConfig:
                                           or not isinstance(self.patience, int)
                                           or self.patience < 0):
             raise ValueError("--patience must be a whole number of rounds >= 0")
+        for name, _ in self.settings:
+            if name in _OWN_OPTIONS:
+                raise ValueError(f"--param {name}: set it with {_OWN_OPTIONS[name]}")
+            if name == "horizon" and self.policy != "brh":
+                raise ValueError("--param horizon: BR-0 looks no step ahead (--policy brh)")
+        try:
+            self.router_params().effective_beta(len(self.decode))  # BR-0's beta is G's
+        except ParameterError as exc:
+            raise ValueError(f"--param {exc}") from None
         if isinstance(self.start_after, bool) or not isinstance(self.start_after, int) \
                 or self.start_after < 0:
             raise ValueError("--start-after must be a whole number of requests >= 0")
@@ -142,6 +159,15 @@ class ProxyConfig:
                 or self.max_inflight_body_bytes < self.max_body_bytes):
             raise ValueError("--max-inflight-body-bytes must be a whole number >= "
                              "--max-body-bytes")
+
+    def router_params(self) -> BalanceRouteParams:
+        """BR's parameters: BR-H at ``horizon`` (``--policy brh``) or BR-0, the guard, step
+        overhead and patience options, then ``settings`` (``--param``)."""
+        params = (BalanceRouteParams(horizon=self.horizon) if self.policy == "brh"
+                  else BalanceRouteParams.br0())
+        params = replace(params, guard=self.guard, step_overhead=self.step_overhead,
+                         patience=self.patience)
+        return params.with_settings(dict(self.settings))
 
 
 class ProxyError(Exception):
@@ -259,10 +285,7 @@ class Proxy:
         self.metrics = ProxyMetrics()
         G = len(config.decode)
         capacity = config.batch * (2 if config.bypass else 1)
-        params = (BalanceRouteParams(horizon=config.horizon) if config.policy == "brh"
-                  else BalanceRouteParams.br0())
-        params = replace(params, guard=config.guard, step_overhead=config.step_overhead,
-                         patience=config.patience)
+        params = config.router_params()
         # s_i: the model's own count with --tokenizer, else the estimate (proxy.tokens)
         self.count: Callable[[dict[str, Any]], int] = (
             PromptCounter.load(config.tokenizer) if config.tokenizer else prompt_tokens)
@@ -703,6 +726,9 @@ class Proxy:
             "policy": self.policy.name, "rounds": self.dispatcher.rounds,
             "fallback_rounds": self.client.fallback_rounds,
             "brh_active": self.client.use_predictions,
+            # BR's parameters as the router runs them now (--param, or an adopted
+            # recommendation)
+            "params": dataclasses.asdict(self.client.params),
             "counters": {name: getattr(counters, name) for name in counters.__dataclass_fields__},
         })
 

@@ -133,6 +133,12 @@ def add_commands(sub: Any, bench_sub: Any) -> None:
                        "(0: never waits; default: no bound). A round comes with every event "
                        "and every 10 ms while requests wait, at most once per --step-ms: set "
                        "--step-ms for a bound in decode steps")
+    proxy.add_argument("--param", type=_setting, action="append", default=[],
+                       metavar="NAME=VALUE",
+                       help="a BR parameter by its name in BalanceRouteParams (repeatable; "
+                       "e.g. --param learned_short_pool=true --param beta=16; none/never "
+                       "unsets one that may be unset; the README lists them); the guard, "
+                       "the step overhead and the patience have their own options")
     proxy.add_argument("--max-body-bytes", type=_body_bytes, default=BODY_LIMIT,
                        metavar="BYTES", help="largest request body accepted; 413 beyond, "
                        f"before it is parsed (default {BODY_LIMIT}; at least {MIN_BODY_LIMIT})")
@@ -285,6 +291,14 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setting(text: str) -> tuple[str, str]:
+    """``--param``'s value: ``NAME=VALUE`` (read and checked by the proxy's configuration)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name.strip(), value.strip()
+
+
 def _proxy_config(args: argparse.Namespace) -> Any:
     from .app import ProxyConfig
 
@@ -299,6 +313,7 @@ def _proxy_config(args: argparse.Namespace) -> Any:
                        start_after=args.start_after,
                        prefill_kv_budget=args.prefill_kv_budget, guard=args.guard,
                        step_overhead=args.step_overhead, patience=args.patience,
+                       settings=tuple(args.param),
                        max_body_bytes=args.max_body_bytes,
                        max_inflight_body_bytes=args.max_inflight_body_bytes,
                        tokenizer=args.tokenizer)

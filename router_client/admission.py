@@ -47,7 +47,9 @@ grows one greedily when there are too many. ``candidate_life=False`` is the pape
 from __future__ import annotations
 
 import copy
+import dataclasses
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache, partial
@@ -471,6 +473,21 @@ class BalanceRouteParams:
             return self.r_max
         return min(BR0_WINDOW_PER_WORKER * workers, BR0_WINDOW_CAP)
 
+    def with_settings(self, settings: dict[str, str]) -> BalanceRouteParams:
+        """These parameters with fields set from text (``{"horizon": "20", "beta": "none",
+        "learned_short_pool": "true"}``): each value read as its field's type (a whole
+        number, a number, ``true``/``false``, a name; ``none``/``never``/``null`` where the
+        field may be unset), then checked as any parameters are. A name that is not a field,
+        or a value its field cannot take, raises :class:`ParameterError` naming the field."""
+        fields = {f.name: str(f.type) for f in dataclasses.fields(self)}
+        values: dict[str, object] = {}
+        for name, text in settings.items():
+            if name not in fields:
+                raise ParameterError(name, "is not a BR parameter (one of: "
+                                     + ", ".join(sorted(fields)) + ")")
+            values[name] = _parse_setting(name, fields[name], text)
+        return replace(self, **values)  # type: ignore[arg-type]
+
     def as_br0(self) -> BalanceRouteParams:
         """The BR-0 parameters this BR-H falls back to (same stage settings)."""
         return BalanceRouteParams.br0(
@@ -485,6 +502,30 @@ class BalanceRouteParams:
             step_overhead=self.step_overhead,
             patience=self.patience,
         )
+
+
+def _parse_setting(name: str, annotation: str, text: str) -> object:
+    """One :meth:`BalanceRouteParams.with_settings` value, read by its field's annotation."""
+    raw = text.strip()
+    if raw.lower() in ("none", "never", "null"):
+        if "None" not in annotation:
+            raise ParameterError(name, "cannot be unset")
+        return None
+    kind = annotation.replace(" | None", "").strip()
+    if kind == "bool":
+        if raw.lower() not in ("true", "false"):
+            raise ParameterError(name, f"{raw!r} is not true or false")
+        return raw.lower() == "true"
+    if kind in ("int", "float"):
+        try:
+            value: float = int(raw) if kind == "int" else float(raw)
+        except ValueError:
+            raise ParameterError(name, f"{raw!r} is not a "
+                                 + ("whole number" if kind == "int" else "number")) from None
+        if not math.isfinite(value):
+            raise ParameterError(name, f"{raw!r} is not a finite number")
+        return value
+    return raw  # a name (a Literal's choices are checked with the parameters)
 
 
 @dataclass

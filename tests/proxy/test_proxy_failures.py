@@ -177,6 +177,49 @@ def test_the_proxys_patience_reaches_its_router_and_bad_values_are_refused(capsy
         assert "--patience" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(60)
+def test_the_proxys_param_options_reach_its_router(launcher: Launcher):
+    """``--param NAME=VALUE`` sets BR's other parameters: a real proxy running BR-H (lengths
+    from ``max_tokens``) in front of two emulated ranks reports them in ``/proxy/state`` as its
+    router runs them, and serves every request."""
+    ranks = launcher.emulator(workers=2, batch=4, time_scale=1.0)
+    proxy = launcher.proxy(rank_urls(ranks, 2), policy="brh", batch=4, extra=(
+        "--lengths-from", "max-tokens", "--param", "horizon=20", "--param", "s_greedy=3",
+        "--param", "learned_short_pool=true", "--param", "own_wait_horizon=never",
+        "--param", "beta=6.5"))
+    params = proxy_state(proxy)["params"]
+    assert (params["horizon"], params["s_greedy"], params["learned_short_pool"],
+            params["own_wait_horizon"], params["beta"]) == (20, 3, True, None, 6.5)
+    assert params["guard"] is None and params["myopic_horizon"] == 1.5  # the rest as default
+    assert asyncio.run(_run(proxy.url, 8, 10)) == [10] * 8
+    assert assert_quiescent(proxy)["params"] == params
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("nope=1", "--param nope: is not a BR parameter"),
+    ("s_greedy=2.5", "--param s_greedy: '2.5' is not a whole number"),
+    ("beta=nan", "--param beta: 'nan' is not a finite number"),
+    ("learned_short_pool=1", "--param learned_short_pool: '1' is not true or false"),
+    ("alpha=none", "--param alpha: cannot be unset"),
+    ("stage1=sometimes", "--param stage1: must be one of"),
+    ("guard=idle", "--param guard: set it with --guard"),
+    ("horizon=20", "--param horizon: BR-0 looks no step ahead"),
+    ("beta=16", "--param beta: BR-0 (horizon 0) forces beta = G = 1"),
+    ("s_greedy", "--param: expected NAME=VALUE"),
+])
+def test_the_proxys_param_refuses_what_br_cannot_take(capsys, setting, message):
+    """A bad ``--param`` stops the proxy before it starts (exit status 2), naming the
+    parameter: argparse for the form, the proxy's configuration for the rest."""
+    from predictor.cli import main
+
+    try:
+        code = main(["proxy", "--decode", "http://127.0.0.1:9", "--param", setting])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["emulate", "--time-scale", "inf"], "--time-scale: must be a finite number > 0"),
     (["emulate", "--time-scale", "nan"], "--time-scale: must be a finite number > 0"),

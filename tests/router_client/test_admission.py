@@ -1224,3 +1224,30 @@ def test_arrivals_growth_spans_requests_and_slots_on_random_short_pools():
         decided += 1
         differ += rounds["requests"] != rounds["slots"]
     assert decided >= 150 and differ >= 20
+
+
+def test_params_with_settings_reads_every_field_from_text():
+    """:meth:`BalanceRouteParams.with_settings` (the proxy's ``--param``): every field's
+    default, written as text, reads back to itself; values are read by the field's type;
+    what a field cannot take is refused naming it."""
+    import dataclasses
+
+    base = BalanceRouteParams()
+
+    def text(value):
+        return "none" if value is None else str(value).lower() if isinstance(value, bool) \
+            else str(value)
+
+    every = {f.name: text(getattr(base, f.name)) for f in dataclasses.fields(base)}
+    assert base.with_settings(every) == base
+    got = base.with_settings({"horizon": "20", "beta": "12.5", "gamma": "never",
+                              "learned_short_pool": "TRUE", "short_pool": "lpt",
+                              "own_wait_horizon": "null"})
+    assert got == replace(base, horizon=20, beta=12.5, gamma=None, learned_short_pool=True,
+                          short_pool="lpt", own_wait_horizon=None)
+    for settings, field in (({"nope": "1"}, "nope"), ({"horizon": "2.5"}, "horizon"),
+                            ({"beta": "inf"}, "beta"), ({"alpha": "none"}, "alpha"),
+                            ({"refill": "yes"}, "refill"), ({"stage1": "x"}, "stage1"),
+                            ({"s_greedy": "-1"}, "s_greedy")):
+        with pytest.raises(ParameterError, match=field):
+            base.with_settings(settings)

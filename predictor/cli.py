@@ -270,6 +270,11 @@ def _add_learned_flags(ab: argparse.ArgumentParser) -> None:
                     help="BR-H with a learned predictor: the overflow penalty is its expectation "
                     "under the predicted law of each worker's load (default); "
                     "--no-expected-overflow: the overflow of the expected load")
+    ab.add_argument("--marginal-overflow", action=argparse.BooleanOptionalAction,
+                    default=BalanceRouteParams.marginal_overflow,
+                    help="BR-H with a learned predictor: the overflow penalty is the rise of the "
+                    "expected overflow the admission causes (the worker's own expected overflow "
+                    "without it subtracted); default: the expected overflow itself")
     ab.add_argument("--learned-short-pool", action=argparse.BooleanOptionalAction,
                     default=False,
                     help="BR-H with a learned predictor places a short pool (every waiting "
@@ -434,6 +439,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   candidate_life=args.candidate_life, refill=args.refill,
                                   end_points=args.end_points, end_shape=args.end_shape,
                                   expected_overflow=args.expected_overflow,
+                                  marginal_overflow=args.marginal_overflow,
                                   learned_short_pool=args.learned_short_pool,
                                   short_pool=args.short_pool,
                                   short_pool_growth=args.short_pool_growth,

@@ -567,6 +567,10 @@ class AbComparisonIn(ReplayIn):
         BalanceRouteParams.learned_beta_scale,
         description="BR-H with a learned law: an overflow weight of this many times alpha * G "
         "(true lengths are never scaled)")
+    marginal_overflow: Annotated[bool, Field(strict=True)] = Field(
+        BalanceRouteParams.marginal_overflow,
+        description="BR-H with a learned law: the overflow penalty is the rise of the expected "
+        "overflow the admission causes (false, the default: the expected overflow itself)")
     learned_short_pool: Annotated[bool, Field(strict=True)] = Field(
         BalanceRouteParams.learned_short_pool,
         description="BR-H with a learned law places every short pool (every waiting request "

@@ -171,6 +171,13 @@ class BalanceRouteParams:
             variance that gives: :func:`router_client.projection.mixture_moments`,
             :func:`router_client.fscore.expected_overflow`) instead of the overflow of the
             expected load. Known loads (step 0, true lengths) are scored as before.
+        marginal_overflow: with ``expected_overflow``, the penalty is the rise of the
+            expected overflow the admission causes (the worker's expected overflow without
+            it subtracted), so that F of a learned round is minus the expected rise of I(k)
+            as BR-0's F is of the known one; False (default): the expected overflow itself,
+            which charges a worker near the envelope for its own spread whatever it takes
+            (F <= 0 more often: more rounds go to the starvation guard). Only the sign of F
+            moves (each worker's subsets shift alike): Stage 2 admits instead of guarding.
         learned_short_pool: under ``stage1="auto"``, place a short pool by BR-H's lookahead
             (the ``short_pool`` rule) also with a learned predictor's law; False (default):
             with a learned law (loads with a spread), a short pool is placed as BR-0 places it
@@ -321,6 +328,7 @@ class BalanceRouteParams:
     end_points: int = END_POINTS
     end_shape: EndShape = END_SHAPE
     expected_overflow: bool = True
+    marginal_overflow: bool = False
     learned_short_pool: bool = False
     short_pool: ShortPoolRule = "lpt-fit"
     stage2_order: Stage2Order | None = None
@@ -567,7 +575,8 @@ def build_table(fleet: FleetView, params: BalanceRouteParams,
     if gamma is None:
         gamma = turnover_gamma(fleet, params.horizon, params.turnover_scale,
                                end_shape=params.end_shape)
-    return MarginTable(loads, discounts(params.horizon, gamma), params.alpha, beta, spread)
+    return MarginTable(loads, discounts(params.horizon, gamma), params.alpha, beta, spread,
+                       marginal=params.marginal_overflow)
 
 
 def arrival_fill_growth(free: float, rate: float | None, horizon: int) -> np.ndarray | None:

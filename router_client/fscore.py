@@ -104,7 +104,7 @@ class MarginTable:
     """
 
     def __init__(self, loads: np.ndarray, d: np.ndarray, alpha: float, beta: float,
-                 spread: np.ndarray | None = None) -> None:
+                 spread: np.ndarray | None = None, marginal: bool = False) -> None:
         self.loads = np.array(loads, dtype=np.float64, copy=True)
         if self.loads.ndim != 2 or self.loads.shape[1] != d.shape[0]:
             raise ValueError("loads must have shape (G, H+1) matching the discounts")
@@ -113,6 +113,11 @@ class MarginTable:
         # Standard deviation of each projected load (None: the loads are known): the
         # penalty is then the expected overflow, see score_rows.
         self.spread = None if spread is None or not np.any(spread) else np.asarray(spread)
+        # With a spread, ``marginal`` scores the rise of the expected overflow the added work
+        # causes, E[max(0, w + e - m)] - E[max(0, e - m)], instead of E[max(0, w + e - m)]
+        # (which charges a worker near the envelope for its own uncertainty, whatever it
+        # takes): see score_rows.
+        self.marginal = marginal
         self.d = d
         self.alpha = alpha
         self.beta = beta
@@ -182,13 +187,18 @@ class MarginTable:
         """F for added work given per step (``rows`` of shape ``(..., H+1)``); ``O(H)`` each::
 
             F = alpha * sum_h d_h * w_h  -  beta * sum_h d_h * max(0, w_h - m_h)
-        """
+
+        With a spread the overflow is its expectation, ``E[max(0, w_h + e - m_h)]`` with
+        ``e`` normal of the worker's spread at step h, less ``E[max(0, e - m_h)]`` where
+        ``marginal``."""
         rows = np.asarray(rows, dtype=np.float64)
         margins = self.envelope - self.loads[worker]
         if self.spread is None:
             over = np.maximum(0.0, rows - margins)
         else:
             over = expected_overflow(rows - margins, self.spread[worker])
+            if self.marginal:  # the worker's own expected overflow, without the added work
+                over = over - expected_overflow(-margins, self.spread[worker])
         return self.alpha * (rows @ self.d) - self.beta * (over @ self.d)
 
     def score_row_workers(self, workers: np.ndarray, row: np.ndarray) -> np.ndarray:

@@ -331,6 +331,31 @@ def test_learned_short_pool_over_rest_and_cli(tmp_path):
         assert timeless(json.loads((tmp_path / f"{key}.json").read_text())) == rows[key]
 
 
+def test_marginal_overflow_over_rest_and_cli(tmp_path):
+    """``marginal_overflow`` reaches learned BR-H as ``--marginal-overflow`` does (equal rows):
+    on, fewer of its rounds go to the starvation guard (F of a worker near the envelope is
+    no longer <= 0 for its own spread), and the oracle's rows do not move."""
+    content = csv_trace()
+    (tmp_path / "t.csv").write_text(content)
+    common = {"policies": ["brh-survival", "brh-oracle"], "workers": [4], "batch": 8,
+              "load": "backlog", "trace": {"format": "csv", "content": content}}
+    rows = {}
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'm.db'}"))) as c:
+        for key, value in (("off", False), ("on", True)):
+            job = wait(c, c.post("/v1/ab-comparisons",
+                                 json={**common, "marginal_overflow": value}).json()["id"])
+            assert job["status"] == "done", job
+            rows[key] = timeless(job["results"])
+    assert (rows["on"][0]["starvation_guard_admissions"]
+            < rows["off"][0]["starvation_guard_admissions"])
+    assert rows["on"][1] == rows["off"][1]  # brh-oracle: true lengths have no spread
+    for flag, key in (("--no-marginal-overflow", "off"), ("--marginal-overflow", "on")):
+        main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "brh-survival,brh-oracle",
+              "--workers", "4", "--batch", "8", "--load", "backlog", flag, "--quiet", "--json",
+              str(tmp_path / f"{key}.json")])
+        assert timeless(json.loads((tmp_path / f"{key}.json").read_text())) == rows[key]
+
+
 def test_replaying_the_services_own_observations(tmp_path):
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'obs.db'}")
     with TestClient(create_app(settings)) as c:

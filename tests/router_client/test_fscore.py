@@ -139,3 +139,42 @@ def test_score_row_workers_scores_workers_in_the_same_state_exactly_alike(copies
     scores = table.score_row_workers(np.arange(copies), row)
     assert (scores == scores[0]).all()
     assert scores[0] == pytest.approx(float(table.score_rows(0, row)), rel=1e-12)
+
+
+def test_the_marginal_overflow_is_the_rise_the_added_work_causes():
+    """``marginal``: the penalty is E[max(0, w + e - m)] - E[max(0, e - m)] (checked against
+    numerical integration of the difference); adding nothing then scores 0 exactly; every
+    row of one worker moves by the same amount (its own expected overflow), so their order is
+    the absolute score's; without a spread nothing changes."""
+    loads = np.array([[1000.0, 950.0, 900.0], [1200.0, 1100.0, 1000.0]])
+    d = discounts(2, 0.8)
+    spread = np.array([[0.0, 150.0, 250.0], [0.0, 100.0, 300.0]])
+    absolute = MarginTable(loads, d, 1.0, 2.0, spread)
+    marginal = MarginTable(loads, d, 1.0, 2.0, spread, marginal=True)
+    rows = np.array([[0.0, 0.0, 0.0], [100.0, 101.0, 102.0], [300.0, 301.0, 302.0],
+                     [700.0, 701.0, 0.0]])
+    for worker in (0, 1):
+        margins = absolute.margins(worker)
+        want = []
+        for row in rows:
+            rise = 0.0
+            for h in range(3):
+                s, m, w = spread[worker, h], margins[h], row[h]
+                if s == 0:
+                    part = max(0.0, w - m) - max(0.0, -m)
+                else:
+                    part, _ = quad(lambda e, w=w, m=m, s=s: (max(0.0, w + e - m)
+                                                              - max(0.0, e - m))
+                                   * np.exp(-0.5 * (e / s) ** 2) / (s * np.sqrt(2 * np.pi)),
+                                   -12 * s, 12 * s, points=[m - w, m], limit=200)
+                rise += d[h] * part
+            want.append(row @ d - 2.0 * rise)
+        got = marginal.score_rows(worker, rows)
+        np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-6)
+        assert got[0] == 0.0
+        shift = got - absolute.score_rows(worker, rows)
+        np.testing.assert_allclose(shift, shift[0], rtol=1e-12)
+        assert shift[0] > 0  # the worker's own expected overflow, no longer charged
+    known = MarginTable(loads, d, 1.0, 2.0, marginal=True)
+    np.testing.assert_array_equal(known.score_rows(1, rows),
+                                  MarginTable(loads, d, 1.0, 2.0).score_rows(1, rows))

@@ -73,6 +73,7 @@ log = logging.getLogger("balanceroute.proxy")
 # prediction service's ExactMatch groups requests by this key (API.md's prompt_key); without
 # it, the key is the xxh3_64 hash of the prompt (or messages) JSON.
 PROMPT_KEY_HEADER = "x-prompt-key"
+MAX_HORIZON = 4096  # the prediction service answers horizons up to this (API.md)
 # BR parameters that have proxy options of their own (not --param)
 _OWN_OPTIONS = {"guard": "--guard", "step_overhead": "--step-overhead",
                 "patience": "--patience"}
@@ -138,15 +139,22 @@ class ProxyConfig:
                                           or not isinstance(self.patience, int)
                                           or self.patience < 0):
             raise ValueError("--patience must be a whole number of rounds >= 0")
+        if self.settings and self.policy not in ("br0", "brh"):
+            raise ValueError(f"--param: --policy {self.policy} has no BR parameters "
+                             "(br0 or brh)")
         for name, _ in self.settings:
             if name in _OWN_OPTIONS:
                 raise ValueError(f"--param {name}: set it with {_OWN_OPTIONS[name]}")
             if name == "horizon" and self.policy != "brh":
                 raise ValueError("--param horizon: BR-0 looks no step ahead (--policy brh)")
         try:
-            self.router_params().effective_beta(len(self.decode))  # BR-0's beta is G's
+            params = self.router_params()
+            params.effective_beta(len(self.decode))  # BR-0's beta is G's
         except ParameterError as exc:
             raise ValueError(f"--param {exc}") from None
+        if params.horizon > MAX_HORIZON:
+            raise ValueError(f"--param horizon: at most {MAX_HORIZON} (the prediction "
+                             "service's bound)")
         if isinstance(self.start_after, bool) or not isinstance(self.start_after, int) \
                 or self.start_after < 0:
             raise ValueError("--start-after must be a whole number of requests >= 0")
@@ -728,7 +736,8 @@ class Proxy:
             "brh_active": self.client.use_predictions,
             # BR's parameters as the router runs them now (--param, or an adopted
             # recommendation)
-            "params": dataclasses.asdict(self.client.params),
+            "params": (dataclasses.asdict(self.client.params)
+                       if self.config.policy in ("br0", "brh") else None),
             "counters": {name: getattr(counters, name) for name in counters.__dataclass_fields__},
         })
 

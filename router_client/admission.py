@@ -104,6 +104,8 @@ _SHORT_POOL_STAGE1: dict[str, Literal["best-pair", "lpt", "lpt-f", "lpt-fit"]] =
     "lpt-fit": "lpt-fit", "lpt": "lpt-f", "lpt-load": "lpt", "best-pair": "best-pair"}
 _LPT_PLACEMENT: dict[str, Literal["load", "score", "fit"]] = {
     "lpt": "load", "lpt-f": "score", "lpt-fit": "fit"}  # internal Stage-1 rule -> placement
+# The largest magnitude BalanceRouteParams.with_settings reads (the REST API's bound on numbers)
+SETTING_LIMIT = 1_000_000.0
 MAX_ENUMERATED_SUBSETS = 4096  # Stage 2 with candidate rows: enumerate up to this many subsets
 _PROMPT_TOKENS = attrgetter("prompt_tokens")
 BR0_WINDOW_PER_WORKER = 4  # BR-0's default Stage-2 window: 4G requests ...
@@ -176,8 +178,12 @@ class BalanceRouteParams:
             it subtracted), so that F of a learned round is minus the expected rise of I(k)
             as BR-0's F is of the known one; False (default): the expected overflow itself,
             which charges a worker near the envelope for its own spread whatever it takes
-            (F <= 0 more often: more rounds go to the starvation guard). Only the sign of F
-            moves (each worker's subsets shift alike): Stage 2 admits instead of guarding.
+            (F <= 0 more often: more rounds go to the starvation guard). On one worker every
+            subset shifts alike, so Stage 2's choice moves only where F's sign does (it
+            admits instead of guarding); where F is compared across workers (a short pool
+            placed by F with ``learned_short_pool``, ``best-pair``, ``br0_check``'s sum) the
+            shift differs by worker and the choice can move too. Without
+            ``expected_overflow`` there is no spread and it does nothing.
         learned_short_pool: under ``stage1="auto"``, place a short pool by BR-H's lookahead
             (the ``short_pool`` rule) also with a learned predictor's law; False (default):
             with a learned law (loads with a spread), a short pool is placed as BR-0 places it
@@ -349,10 +355,10 @@ class BalanceRouteParams:
             raise ParameterError("horizon", "must be >= 0")
         if self.horizon == 0 and self.alpha != 1.0:
             raise ParameterError("alpha", "BR-0 (horizon 0) forces alpha = 1")
-        if self.alpha <= 0:
-            raise ParameterError("alpha", "must be > 0")
-        if self.beta is not None and self.beta < 0:
-            raise ParameterError("beta", "must be >= 0")
+        if not 0 < self.alpha < math.inf:
+            raise ParameterError("alpha", "must be a finite number > 0")
+        if self.beta is not None and not 0 <= self.beta < math.inf:
+            raise ParameterError("beta", "must be a finite number >= 0 (or None: alpha * G)")
         if self.gamma is not None and not 0.0 < self.gamma <= 1.0:
             raise ParameterError("gamma", "must be in (0, 1] (or None: from the turnover)")
         if not self.turnover_scale > 0:
@@ -530,8 +536,8 @@ def _parse_setting(name: str, annotation: str, text: str) -> object:
         except ValueError:
             raise ParameterError(name, f"{raw!r} is not a "
                                  + ("whole number" if kind == "int" else "number")) from None
-        if not math.isfinite(value):
-            raise ParameterError(name, f"{raw!r} is not a finite number")
+        if not -SETTING_LIMIT <= value <= SETTING_LIMIT:  # NaN, inf and 400-digit numbers
+            raise ParameterError(name, f"{raw!r} is not a number within +-{SETTING_LIMIT:g}")
         return value
     return raw  # a name (a Literal's choices are checked with the parameters)
 

@@ -198,7 +198,7 @@ def test_the_proxys_param_options_reach_its_router(launcher: Launcher):
 @pytest.mark.parametrize("setting, message", [
     ("nope=1", "--param nope: is not a BR parameter"),
     ("s_greedy=2.5", "--param s_greedy: '2.5' is not a whole number"),
-    ("beta=nan", "--param beta: 'nan' is not a finite number"),
+    ("beta=nan", "--param beta: 'nan' is not a number within"),
     ("learned_short_pool=1", "--param learned_short_pool: '1' is not true or false"),
     ("alpha=none", "--param alpha: cannot be unset"),
     ("stage1=sometimes", "--param stage1: must be one of"),
@@ -206,6 +206,8 @@ def test_the_proxys_param_options_reach_its_router(launcher: Launcher):
     ("horizon=20", "--param horizon: BR-0 looks no step ahead"),
     ("beta=16", "--param beta: BR-0 (horizon 0) forces beta = G = 1"),
     ("s_greedy", "--param: expected NAME=VALUE"),
+    ("end_points=" + "9" * 400, "--param end_points: '999"),
+    ("beta=2e6", "--param beta: '2e6' is not a number within +-1e+06"),
 ])
 def test_the_proxys_param_refuses_what_br_cannot_take(capsys, setting, message):
     """A bad ``--param`` stops the proxy before it starts (exit status 2), naming the
@@ -217,6 +219,20 @@ def test_the_proxys_param_refuses_what_br_cannot_take(capsys, setting, message):
     except SystemExit as exc:
         code = exc.code
     assert code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy", "jsq", "--param", "beta=2"], "--param: --policy jsq has no BR parameters"),
+    (["--policy", "brh", "--lengths-from", "max-tokens", "--param", "horizon=5000"],
+     "--param horizon: at most 4096"),
+])
+def test_the_proxys_param_is_for_br_policies_and_service_horizons(capsys, argv, message):
+    """A baseline policy takes no ``--param`` (it would be ignored), and a horizon the
+    prediction service would refuse is refused at start."""
+    from predictor.cli import main
+
+    assert main(["proxy", "--decode", "http://127.0.0.1:9", *argv]) == 2
     assert message in capsys.readouterr().err
 
 

@@ -410,7 +410,9 @@ def test_turnover_discount_is_used_and_reported():
                                           ("guard", "never"), ("zero_gamma_rules", "x"),
                                           ("myopic_horizon", 0.5),
                                           ("own_wait_horizon", 0.5),
-                                          ("br0_check", -0.1)])
+                                          ("br0_check", -0.1), ("beta", float("nan")),
+                                          ("beta", float("inf")), ("alpha", float("nan")),
+                                          ("alpha", float("inf"))])
 def test_params_validation_names_the_field(field, value):
     with pytest.raises(ParameterError, match=field):
         BalanceRouteParams(**{field: value})

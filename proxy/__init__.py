@@ -6,4 +6,5 @@ prediction service only over HTTP and never imports ``predictor`` or ``models``.
 """
 
 POLICIES = ("br0", "brh", "jsq", "rr", "ltl")  # what ``balanceroute proxy --policy`` takes
+BR_POLICIES = ("br0", "brh")  # those that route by BR (BalanceRouteParams); the rest: baselines
 LENGTHS_FROM = ("service", "max-tokens")  # where ``--policy brh`` takes its predictions from

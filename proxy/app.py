@@ -57,7 +57,7 @@ from router_client.predictors import Predictor
 from router_client.sse import StreamTelemetry
 from router_client.traces import key_of_text
 
-from . import LENGTHS_FROM, POLICIES
+from . import BR_POLICIES, LENGTHS_FROM, POLICIES
 from .dispatcher import BackgroundPredictor, Dispatcher, MaxTokensPredictor, RankMaskPolicy
 from .emulator import wait_disconnect
 from .engines import EngineSet, retry_after_s
@@ -139,7 +139,7 @@ class ProxyConfig:
                                           or not isinstance(self.patience, int)
                                           or self.patience < 0):
             raise ValueError("--patience must be a whole number of rounds >= 0")
-        if self.settings and self.policy not in ("br0", "brh"):
+        if self.settings and not self.runs_br:
             raise ValueError(f"--param: --policy {self.policy} has no BR parameters "
                              "(br0 or brh)")
         for name, _ in self.settings:
@@ -167,6 +167,11 @@ class ProxyConfig:
                 or self.max_inflight_body_bytes < self.max_body_bytes):
             raise ValueError("--max-inflight-body-bytes must be a whole number >= "
                              "--max-body-bytes")
+
+    @property
+    def runs_br(self) -> bool:
+        """Whether ``policy`` routes by BR (BR-0 or BR-H), not a baseline."""
+        return self.policy in BR_POLICIES
 
     def router_params(self) -> BalanceRouteParams:
         """BR's parameters: BR-H at ``horizon`` (``--policy brh``) or BR-0, the guard, step
@@ -316,7 +321,7 @@ class Proxy:
         self.pending = PendingPool(config.pool_max)
         self.engines = EngineSet(config.decode, self.http, self.metrics, self._wake,
                                  config.probe_interval_s)
-        baseline = config.policy in ("jsq", "rr", "ltl")
+        baseline = not config.runs_br
         base = make_policy(config.policy if baseline else ("brh" if params.horizon else "br0"),
                            params=params)
         self.policy = RankMaskPolicy(base, self.engines.up)
@@ -737,7 +742,7 @@ class Proxy:
             # BR's parameters as the router runs them now (--param, or an adopted
             # recommendation)
             "params": (dataclasses.asdict(self.client.params)
-                       if self.config.policy in ("br0", "brh") else None),
+                       if self.config.runs_br else None),
             "counters": {name: getattr(counters, name) for name in counters.__dataclass_fields__},
         })
 

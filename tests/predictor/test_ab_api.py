@@ -231,31 +231,46 @@ def test_own_wait_horizon_never_is_the_rule_before_over_rest_and_cli(tmp_path):
                             "--own-wait-horizon", value) == rows[key]
 
 
+def option_rows(tmp_path, trace_csv, field, settings, refused=(), load="backlog",
+                policies=("brh-survival", "brh-oracle")):
+    """G = 4, B = 8 comparisons of ``policies`` on the CSV trace at ``trace_csv``: for each
+    ``(key, value, cli_options)`` of ``settings`` one over REST with ``field: value`` and one
+    from the CLI with ``cli_options``, whose rows must be equal; each of ``refused`` for
+    ``field`` must get a 422 naming it. Returns the rows by key."""
+    common = {"policies": list(policies), "workers": [4], "batch": 8, "load": load,
+              "trace": {"format": "csv", "content": trace_csv.read_text()}}
+    rows = {}
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'opt.db'}"))) as c:
+        for key, value, _ in settings:
+            job = wait(c, c.post("/v1/ab-comparisons",
+                                 json={**common, field: value}).json()["id"])
+            assert job["status"] == "done", job
+            rows[key] = timeless(job["results"])
+        for value in refused:
+            refusal = c.post("/v1/ab-comparisons", json={**common, field: value})
+            assert refusal.status_code == 422
+            assert field in refusal.text
+    for key, _, options in settings:
+        out = tmp_path / f"{key}.json"
+        main(["ab", "--trace", str(trace_csv), "--policies", ",".join(policies), "--workers",
+              "4", "--batch", "8", "--load", str(load), *options, "--quiet", "--json", str(out)])
+        assert timeless(json.loads(out.read_text())) == rows[key]
+    return rows
+
+
 def test_own_wait_learned_over_rest_and_cli(tmp_path):
     """The own wait leaves learned BR-H alone by default; ``own_wait_learned`` (REST) and
     ``--own-wait-learned`` (CLI) bring it back there (equal rows, more waits on long outputs,
     so the learned rows move), and the oracle's rows are the same either way."""
     long_outputs = synthesize("synth:long:n=300")
-    content = "arrival_s,prompt_tokens,output_tokens\n" + "".join(
+    (tmp_path / "long.csv").write_text("arrival_s,prompt_tokens,output_tokens\n" + "".join(
         f"{i * 0.01:.2f},{int(p)},{int(o)}\n" for i, (p, o) in
-        enumerate(zip(long_outputs.prompt_tokens, long_outputs.output_tokens, strict=True)))
-    (tmp_path / "long.csv").write_text(content)
-    common = {"policies": ["brh-survival", "brh-oracle"], "workers": [4], "batch": 8,
-              "load": "backlog", "trace": {"format": "csv", "content": content}}
-    rows = {}
-    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'o.db'}"))) as c:
-        for key, value in (("default", False), ("learned", True)):
-            job = wait(c, c.post("/v1/ab-comparisons",
-                                 json={**common, "own_wait_learned": value}).json()["id"])
-            assert job["status"] == "done", job
-            rows[key] = timeless(job["results"])
+        enumerate(zip(long_outputs.prompt_tokens, long_outputs.output_tokens, strict=True))))
+    rows = option_rows(tmp_path, tmp_path / "long.csv", "own_wait_learned", (
+        ("default", False, ["--no-own-wait-learned"]),
+        ("learned", True, ["--own-wait-learned"])))
     assert rows["learned"][0]["guard_waits"] > rows["default"][0]["guard_waits"]
     assert rows["learned"][1] == rows["default"][1]  # brh-oracle
-    for flag, key in (("--no-own-wait-learned", "default"), ("--own-wait-learned", "learned")):
-        main(["ab", "--trace", str(tmp_path / "long.csv"), "--policies",
-              "brh-survival,brh-oracle", "--workers", "4", "--batch", "8", "--load", "backlog",
-              flag, "--quiet", "--json", str(tmp_path / f"{key}.json")])
-        assert timeless(json.loads((tmp_path / f"{key}.json").read_text())) == rows[key]
 
 
 def test_br0_check_over_rest_and_cli(tmp_path):
@@ -280,80 +295,39 @@ def test_br0_check_over_rest_and_cli(tmp_path):
 def test_learned_beta_scale_over_rest_and_cli(tmp_path):
     """``learned_beta_scale`` reaches learned BR-H as ``--learned-beta-scale`` does (equal rows;
     at 2 the learned rows move, the oracle's do not), and 0 or true is refused naming the field."""
-    content = csv_trace()
-    (tmp_path / "t.csv").write_text(content)
-    common = {"policies": ["brh-survival", "brh-oracle"], "workers": [4], "batch": 8,
-              "load": "backlog", "trace": {"format": "csv", "content": content}}
-    rows = {}
-    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'b.db'}"))) as c:
-        for key, value in (("one", 1.0), ("two", 2.0)):
-            job = wait(c, c.post("/v1/ab-comparisons",
-                                 json={**common, "learned_beta_scale": value}).json()["id"])
-            assert job["status"] == "done", job
-            rows[key] = timeless(job["results"])
-        for value in (0, True):  # true is not the number 1
-            refused = c.post("/v1/ab-comparisons", json={**common, "learned_beta_scale": value})
-            assert refused.status_code == 422
-            assert "learned_beta_scale" in refused.text
+    (tmp_path / "t.csv").write_text(csv_trace())
+    rows = option_rows(tmp_path, tmp_path / "t.csv", "learned_beta_scale", (
+        ("one", 1.0, ["--learned-beta-scale", "1"]),
+        ("two", 2.0, ["--learned-beta-scale", "2"])),
+        refused=(0, True))  # true is not the number 1
     assert rows["two"][0] != rows["one"][0]  # brh-survival
     assert rows["two"][1] == rows["one"][1]  # brh-oracle: true lengths are not scaled
-    for value, key in (("1", "one"), ("2", "two")):
-        main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "brh-survival,brh-oracle",
-              "--workers", "4", "--batch", "8", "--load", "backlog", "--learned-beta-scale",
-              value, "--quiet", "--json", str(tmp_path / f"{key}.json")])
-        assert timeless(json.loads((tmp_path / f"{key}.json").read_text())) == rows[key]
 
 
 def test_learned_short_pool_over_rest_and_cli(tmp_path):
     """``learned_short_pool`` reaches learned BR-H as ``--learned-short-pool`` does (equal
     rows; on, the learned rows move, the oracle's do not), and a number for it is refused
     naming the field."""
-    content = csv_trace()
-    (tmp_path / "t.csv").write_text(content)
-    common = {"policies": ["brh-exactmatch", "brh-oracle"], "workers": [4], "batch": 8,
-              "load": 1.0, "trace": {"format": "csv", "content": content}}
-    rows = {}
-    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'p.db'}"))) as c:
-        for key, value in (("off", False), ("on", True)):
-            job = wait(c, c.post("/v1/ab-comparisons",
-                                 json={**common, "learned_short_pool": value}).json()["id"])
-            assert job["status"] == "done", job
-            rows[key] = timeless(job["results"])
-        refused = c.post("/v1/ab-comparisons", json={**common, "learned_short_pool": 1})
-        assert refused.status_code == 422
-        assert "learned_short_pool" in refused.text
+    (tmp_path / "t.csv").write_text(csv_trace())
+    rows = option_rows(tmp_path, tmp_path / "t.csv", "learned_short_pool", (
+        ("off", False, ["--no-learned-short-pool"]),
+        ("on", True, ["--learned-short-pool"])),
+        refused=(1,), load=1.0, policies=("brh-exactmatch", "brh-oracle"))
     assert rows["on"][0] != rows["off"][0]  # brh-exactmatch
     assert rows["on"][1] == rows["off"][1]  # brh-oracle: true lengths use the lookahead anyway
-    for flag, key in (("--no-learned-short-pool", "off"), ("--learned-short-pool", "on")):
-        main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies",
-              "brh-exactmatch,brh-oracle", "--workers", "4", "--batch", "8", "--load", "1.0",
-              flag, "--quiet", "--json", str(tmp_path / f"{key}.json")])
-        assert timeless(json.loads((tmp_path / f"{key}.json").read_text())) == rows[key]
 
 
 def test_marginal_overflow_over_rest_and_cli(tmp_path):
     """``marginal_overflow`` reaches learned BR-H as ``--marginal-overflow`` does (equal rows):
     on, fewer of its rounds go to the starvation guard (F of a worker near the envelope is
     no longer <= 0 for its own spread), and the oracle's rows do not move."""
-    content = csv_trace()
-    (tmp_path / "t.csv").write_text(content)
-    common = {"policies": ["brh-survival", "brh-oracle"], "workers": [4], "batch": 8,
-              "load": "backlog", "trace": {"format": "csv", "content": content}}
-    rows = {}
-    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'm.db'}"))) as c:
-        for key, value in (("off", False), ("on", True)):
-            job = wait(c, c.post("/v1/ab-comparisons",
-                                 json={**common, "marginal_overflow": value}).json()["id"])
-            assert job["status"] == "done", job
-            rows[key] = timeless(job["results"])
+    (tmp_path / "t.csv").write_text(csv_trace())
+    rows = option_rows(tmp_path, tmp_path / "t.csv", "marginal_overflow", (
+        ("off", False, ["--no-marginal-overflow"]),
+        ("on", True, ["--marginal-overflow"])))
     assert (rows["on"][0]["starvation_guard_admissions"]
             < rows["off"][0]["starvation_guard_admissions"])
     assert rows["on"][1] == rows["off"][1]  # brh-oracle: true lengths have no spread
-    for flag, key in (("--no-marginal-overflow", "off"), ("--marginal-overflow", "on")):
-        main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "brh-survival,brh-oracle",
-              "--workers", "4", "--batch", "8", "--load", "backlog", flag, "--quiet", "--json",
-              str(tmp_path / f"{key}.json")])
-        assert timeless(json.loads((tmp_path / f"{key}.json").read_text())) == rows[key]
 
 
 def test_replaying_the_services_own_observations(tmp_path):

@@ -609,9 +609,9 @@ class GridPoint(_Closed):
         None, description="overflow weight; null: alpha * G (each step on BR-0's scale)")
     gamma: Annotated[float, Field(gt=0, le=1)] | Literal["turnover"] = Field(
         description="per-step discount, or 'turnover': from the fleet's turnover each round")
-    learned_short_pool: Annotated[bool, Field(strict=True)] = Field(
-        False, description="place a short pool by the lookahead with the learned law too "
-        "(false: as BR-0 places it)")
+    learned_short_pool: Annotated[bool, Field(strict=True)] | None = Field(
+        None, description="true: place a short pool by the learned law's lookahead; false: as "
+        "BR-0 places it; null: the service's rule (BalanceRouteParams' default)")
 
 
 class TuningIn(ReplayIn):

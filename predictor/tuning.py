@@ -50,9 +50,9 @@ class Candidate:
     horizon: int = 0
     beta: float | None = None
     gamma: float | str | None = None  # a number, TURNOVER, or None: the base's
-    # a short pool placed by the lookahead with the learned law too (BalanceRouteParams.
-    # learned_short_pool); False: the base's rule (by default, as BR-0 places it)
-    learned_short_pool: bool = False
+    # a short pool placed by the learned law's lookahead (True) or as BR-0 places it (False;
+    # BalanceRouteParams.learned_short_pool); None: the base's rule
+    learned_short_pool: bool | None = None
 
     @property
     def label(self) -> str:
@@ -60,7 +60,8 @@ class Candidate:
             return "br0"
         beta = "G" if self.beta is None else f"{self.beta:g}"
         gamma = self.gamma if isinstance(self.gamma, str | None) else f"{self.gamma:g}"
-        pool = " short-pool=lookahead" if self.learned_short_pool else ""
+        pool = {None: "", True: " short-pool=lookahead", False: " short-pool=br0"}[
+            self.learned_short_pool]
         return f"brh H={self.horizon} beta={beta} gamma={gamma}{pool}"
 
     def params(self, base: BalanceRouteParams) -> BalanceRouteParams:
@@ -68,7 +69,9 @@ class Candidate:
             return base.as_br0()
         return replace(base, horizon=self.horizon, beta=self.beta,
                        gamma=base.gamma if self.gamma is None else gamma_value(self.gamma),
-                       learned_short_pool=self.learned_short_pool or base.learned_short_pool)
+                       learned_short_pool=(base.learned_short_pool
+                                           if self.learned_short_pool is None
+                                           else self.learned_short_pool))
 
 
 # Small on purpose: every candidate is a full replay. The default discount from the fleet's
@@ -78,14 +81,17 @@ class Candidate:
 # pay) and a slow one (about 33 steps: a predictor that knows a request's length only to
 # within +-25% still says which requests end in the next few hundred steps); beta the
 # consistent alpha * G, plus the paper's deployment point (H 80, beta 43, gamma 0.86). And the
-# default with short pools placed by the learned law's lookahead: on Mooncake conversation at
-# load 1.0 it closes more of the gap to true lengths (0.49 against 0.32 over six replicates),
-# on synth:long and ShareGPT at 0.8 it loses up to 0.2% to BR-0 (README, "Below saturation a
-# learned BR-H places as BR-0 does"): a workload's own past says which.
+# default with short pools placed by the learned law's lookahead and as BR-0 places them (one
+# of the two is the base's rule, the same routing as the plain point: tune replays it once):
+# on Mooncake conversation at load 1.0 the lookahead closes more of the gap to true lengths
+# (0.43-0.51 against 0.24-0.32 over five draws), where the law knows little it can lose a
+# little (README, "Below saturation a learned BR-H places as BR-0 does"): a workload's own
+# past says which.
 DEFAULT_GRID: tuple[Candidate, ...] = (
     Candidate("br0"),
     Candidate("brh", 80, None, TURNOVER),
     Candidate("brh", 80, None, TURNOVER, learned_short_pool=True),
+    Candidate("brh", 80, None, TURNOVER, learned_short_pool=False),
     Candidate("brh", 200, None, TURNOVER),
     Candidate("brh", 80, 43.0, TURNOVER),
     *(Candidate("brh", h, None, g) for h in (20, 80, 200) for g in (0.86, 0.97)),
@@ -117,27 +123,30 @@ def recommendation_of(candidate: Candidate, estimator: str,
         gamma = (base or BalanceRouteParams()).gamma
     return {"policy": "brh", "horizon": candidate.horizon, "beta": candidate.beta,
             "gamma": TURNOVER if gamma is None else gamma, "estimator": estimator,
-            "learned_short_pool": candidate.learned_short_pool}
+            "learned_short_pool": candidate.params(base or BalanceRouteParams())
+            .learned_short_pool}
 
 
 def parse_grid(items: Sequence[dict]) -> tuple[Candidate, ...]:
     """A grid from dicts like ``{"horizon": 20, "beta": 8, "gamma": 0.9}`` (``beta`` absent or
-    null: alpha * G; ``learned_short_pool`` absent: false); BR-0 always takes part."""
+    null: alpha * G; ``learned_short_pool`` absent or null: the base's rule); BR-0 always
+    takes part."""
     grid = [Candidate("br0")]
     for number, item in enumerate(items):
         try:
             horizon = int(item["horizon"])
             gamma = item["gamma"] if item["gamma"] == TURNOVER else float(item["gamma"])
             beta = None if item.get("beta") is None else float(item["beta"])
-            pool = item.get("learned_short_pool", False)
+            pool = item.get("learned_short_pool")
         except (KeyError, TypeError, ValueError, AttributeError):
             raise ParameterError(f"grid[{number}]", "needs a numeric horizon, gamma a number "
                                  "or 'turnover' (and beta, or null for alpha * G)") from None
         BalanceRouteParams(horizon=horizon, beta=beta, gamma=gamma_value(gamma))  # ranges
         if horizon < 1:
             raise ParameterError(f"grid[{number}].horizon", "must be >= 1 (BR-0 is always in)")
-        if not isinstance(pool, bool):
-            raise ParameterError(f"grid[{number}].learned_short_pool", "must be true or false")
+        if pool is not None and not isinstance(pool, bool):
+            raise ParameterError(f"grid[{number}].learned_short_pool",
+                                 "must be true, false or null")
         grid.append(Candidate("brh", horizon, beta, gamma, pool))
     return tuple(grid)
 
@@ -156,7 +165,9 @@ def _replay(trace: Trace, candidate: Candidate, config: SimConfig, base: Balance
             np.arange(len(warm)), warm.prompt_tokens, warm.output_tokens, warm.censored,
             list(warm.prompt_keys)))
     row = simulate(trace, policy, run_config, predictor, progress).row
-    return {"setting": candidate.label, **asdict(candidate), "estimator": estimator, **row,
+    # the rule replayed, where the candidate left it to the base
+    return {"setting": candidate.label, **asdict(candidate),
+            "learned_short_pool": params.learned_short_pool, "estimator": estimator, **row,
             "bound_share": bound_share(row)}
 
 
@@ -182,7 +193,7 @@ def _choose(ranked: list[dict], min_gain: float) -> Candidate:
                and w["imbalance_maxmin_mean"] <= b["imbalance_maxmin_mean"]
                for w, b in zip(row.get("windows", [row]), reference, strict=True)):
             return Candidate("brh", row["horizon"], row["beta"], row["gamma"],
-                             bool(row.get("learned_short_pool", False)))
+                             row.get("learned_short_pool"))
     return Candidate("br0")
 
 
@@ -234,8 +245,13 @@ def tune(trace: Trace, config: SimConfig, estimator: str = "exact_match",
     if split < 1:
         raise ParameterError("holdout", "leaves no request to tune on")
     past = trace.head(split)
-    candidates = list(grid) if any(c.policy == "br0" for c in grid) else [Candidate("br0"),
-                                                                          *grid]
+    listed = list(grid) if any(c.policy == "br0" for c in grid) else [Candidate("br0"), *grid]
+    # one replay per distinct routing: a setting that states what the base already does
+    # (learned_short_pool as the base's) is the same candidate
+    distinct: dict[BalanceRouteParams, Candidate] = {}
+    for candidate in listed:
+        distinct.setdefault(candidate.params(base), candidate)
+    candidates = list(distinct.values())
     parts = _windows(past, windows)
     steps = len(candidates) * len(parts)
     rows = []

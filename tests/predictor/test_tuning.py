@@ -149,7 +149,11 @@ def test_tune_command(tmp_path, capsys):
     assert result["note"] is None
     assert all(row["contended_steps"] > 0 for row in result["rows"])
     assert result["recommendation"]["policy"] in ("br0", "brh")
-    assert len(result["rows"]) == len(DEFAULT_GRID) and result["evaluation"]
+    # one row per distinct routing: one of the grid's two explicit short-pool rules is the
+    # base's and shares its row with the point that leaves the rule to the base
+    distinct = {c.params(BalanceRouteParams()) for c in DEFAULT_GRID}
+    assert len(result["rows"]) == len(distinct) == len(DEFAULT_GRID) - 1
+    assert result["evaluation"]
     settings = {r["setting"] for r in result["rows"]}
     assert {"brh H=20 beta=G gamma=0.86", "brh H=80 beta=G gamma=turnover"} <= settings
 
@@ -182,12 +186,16 @@ def test_rest_tuning_publishes_its_recommendation(tmp_path):
             "body", "grid", 0, "learned_short_pool"]
         started = client.post("/v1/tunings", json={
             "workers": [2], "batch": 8, "load": "backlog", "requests": 250,
-            "grid": [{"horizon": 20, "beta": 8, "gamma": 0.9}], "min_gain": 0.5})
+            "grid": [{"horizon": 20, "beta": 8, "gamma": 0.9, "learned_short_pool": None}],
+            "min_gain": 0.5})
         assert started.status_code == 202
         job = wait(client, f"/v1/tunings/{started.json()['id']}")
         assert job["status"] == "done", job["error"]
         assert job["results"]["recommendation"] == {"policy": "br0"}
         assert [r["requests"] for r in job["results"]["rows"]] == [250, 250]
+        # the null rule is the service's, and the row says which it replayed
+        assert [r["learned_short_pool"] for r in job["results"]["rows"]
+                if r["policy"] != "br0"] == [BalanceRouteParams().learned_short_pool]
         status = client.get("/v1/status").json()
         assert status["recommendation"]["policy"] == "br0"
         answer = client.post("/v1/contributions", json={
@@ -272,20 +280,35 @@ def test_router_client_adopts_the_recommendation_at_a_refresh():
 
 
 def test_the_short_pool_rule_in_the_grid_the_choice_and_the_recommendation():
-    """The grid may place short pools by the learned law's lookahead; tuning's choice and
-    recommendation carry the setting, and its replay routes with it."""
+    """A grid point places short pools by the learned law's lookahead (true), as BR-0 places
+    them (false) or by the base's rule (absent or null); tuning replays each distinct routing
+    once, and its choice and recommendation carry the rule it measured."""
     grid = parse_grid([{"horizon": 80, "gamma": "turnover", "learned_short_pool": True},
+                       {"horizon": 80, "gamma": "turnover", "learned_short_pool": False},
+                       {"horizon": 80, "gamma": "turnover", "learned_short_pool": None},
                        {"horizon": 80, "gamma": "turnover"}])
     assert grid[1] == Candidate("brh", 80, None, "turnover", learned_short_pool=True)
     assert grid[2].learned_short_pool is False
+    assert grid[3].learned_short_pool is None and grid[4] == grid[3]
     assert grid[1].label == "brh H=80 beta=G gamma=turnover short-pool=lookahead"
-    assert grid[1].params(BalanceRouteParams()).learned_short_pool
-    assert not grid[2].params(BalanceRouteParams()).learned_short_pool
-    assert grid[2].params(BalanceRouteParams(learned_short_pool=True)).learned_short_pool
+    assert grid[2].label == "brh H=80 beta=G gamma=turnover short-pool=br0"
+    assert grid[3].label == "brh H=80 beta=G gamma=turnover"
+    for base_rule in (True, False):
+        base = BalanceRouteParams(learned_short_pool=base_rule)
+        assert grid[1].params(base).learned_short_pool is True
+        assert grid[2].params(base).learned_short_pool is False
+        assert grid[3].params(base).learned_short_pool is base_rule
+        # the recommendation states the rule that was replayed, never "the router's own"
+        assert recommendation_of(grid[3], "hazard", base)["learned_short_pool"] is base_rule
     assert recommendation_of(grid[1], "hazard")["learned_short_pool"] is True
+    assert recommendation_of(grid[2], "hazard")["learned_short_pool"] is False
     with pytest.raises(ParameterError, match=r"grid\[0\].learned_short_pool"):
         parse_grid([{"horizon": 80, "gamma": 0.9, "learned_short_pool": "yes"}])
-    assert any(c.learned_short_pool for c in DEFAULT_GRID)
+    # the default grid holds both rules, whichever the base's is
+    for base_rule in (True, False):
+        base = BalanceRouteParams(learned_short_pool=base_rule)
+        rules = {c.params(base).learned_short_pool for c in DEFAULT_GRID if c.policy == "brh"}
+        assert rules == {True, False}
 
     def row(pool, throughput):
         return {"policy": "brh-hazard", "horizon": 80, "beta": None, "gamma": "turnover",
@@ -294,13 +317,15 @@ def test_the_short_pool_rule_in_the_grid_the_choice_and_the_recommendation():
 
     br0 = {**row(False, 1000.0), "policy": "br0", "imbalance_maxmin_mean": 100.0}
     assert _choose([row(True, 1010.0), row(False, 1005.0), br0], 0.001) == grid[1]
-    assert _choose([row(False, 1010.0), row(True, 1005.0), br0], 0.001) == Candidate(
-        "brh", 80, None, "turnover")
-    # replayed: a short pool under load 0.8 is where the two rules part
+    assert _choose([row(False, 1010.0), row(True, 1005.0), br0], 0.001) == grid[2]
+    assert _choose([row(None, 1010.0), br0], 0.001) == grid[3]
+    # replayed: a short pool under load 0.8 is where the two rules part; the null point is
+    # the base's rule (here false), the same routing as grid[2], so it is not replayed again
     trace = synthesize("synth:templated:n=600,seed=3")
     result = tune(trace, SimConfig(workers=4, batch=8, load=0.8), estimator="hazard",
-                  grid=grid, windows=1)
+                  grid=grid, windows=1, base=BalanceRouteParams(learned_short_pool=False))
     rows = {r["setting"]: r for r in result.rows}
+    assert sorted(rows) == sorted(["br0", grid[1].label, grid[2].label])
     assert rows[grid[1].label]["learned_short_pool"] is True
     assert rows[grid[2].label]["learned_short_pool"] is False
     assert (rows[grid[1].label]["imbalance_maxmin_mean"]

@@ -276,7 +276,7 @@ def _add_learned_flags(ab: argparse.ArgumentParser) -> None:
                     "expected overflow the admission causes (the worker's own expected overflow "
                     "without it subtracted); default: the expected overflow itself")
     ab.add_argument("--learned-short-pool", action=argparse.BooleanOptionalAction,
-                    default=False,
+                    default=BalanceRouteParams.learned_short_pool,
                     help="BR-H with a learned predictor places a short pool (every waiting "
                     "request admitted this round) by --short-pool; default: as BR-0 places it "
                     "(with true lengths --short-pool decides either way)")

@@ -392,8 +392,9 @@ class BalanceRouteParams:
             raise ParameterError("myopic_horizon", "must be >= 1 step (1: only rounds at gamma 0)")
         if self.br0_check is not None and not 0.0 <= self.br0_check < float("inf"):
             raise ParameterError("br0_check", "must be a number >= 0 (or None: never)")
-        if not 0.0 < self.learned_beta_scale < float("inf"):
-            raise ParameterError("learned_beta_scale", "must be a number > 0")
+        if not 0.0 < self.learned_beta_scale <= SETTING_LIMIT:  # as REST's bound; NaN fails
+            raise ParameterError("learned_beta_scale",
+                                 f"must be a number > 0 and at most {SETTING_LIMIT:g}")
         if self.short_pool_growth not in SHORT_POOL_GROWTHS:
             raise ParameterError("short_pool_growth",
                                  f"must be one of {', '.join(SHORT_POOL_GROWTHS)}")

@@ -174,6 +174,11 @@ def test_ab_rejects_bad_parameters(capsys):
     with pytest.raises(SystemExit):
         main(["ab", "--trace", "synth:long:n=10", "--step-cost", "1e-7,100", "--quiet"])
     assert "B must be 0 or from 1e-12 to 10 s per step, not 100.0" in capsys.readouterr().err
+    for scale in ("2e6", "nan", "0"):  # the service's bound (REST refuses the same)
+        assert main(["ab", "--trace", "synth:long:n=10", "--learned-beta-scale", scale,
+                     "--quiet"]) == 1
+        assert "learned_beta_scale: must be a number > 0 and at most 1e+06" in \
+            capsys.readouterr().err
 
 
 def test_ab_peer_setting_and_sampling(tmp_path):

@@ -1053,9 +1053,11 @@ def test_learned_beta_scale_weighs_only_a_learned_laws_overflow():
     assert route_round(learned, pool, BalanceRouteParams(**myopic))[1].extra.get("as_br0")
     assert not route_round(learned, pool, BalanceRouteParams(
         **myopic, learned_beta_scale=2.0))[1].extra.get("as_br0")
-    for bad in (0.0, -1.0, float("inf")):
-        with pytest.raises(ParameterError, match="learned_beta_scale"):
+    for bad in (0.0, -1.0, float("inf"), float("nan"), 2e6):
+        with pytest.raises(ParameterError, match="learned_beta_scale: must be a number > 0 "
+                           "and at most 1e\\+06"):
             BalanceRouteParams(learned_beta_scale=bad)
+    assert BalanceRouteParams(learned_beta_scale=1e6).learned_beta_scale == 1e6  # REST's bound
 
 
 def test_expected_completions_under_the_law_match_ramp_by_ramp():

@@ -92,7 +92,7 @@ def _config(request: dict) -> SimConfig:
 # such a job runs them at their defaults.
 _LATER_OPTIONS = ("short_pool_growth", "zero_gamma_rules", "myopic_horizon", "own_wait_horizon",
                   "own_wait_learned", "br0_check", "learned_beta_scale", "learned_short_pool",
-                  "marginal_overflow")
+                  "marginal_overflow", "stage2_revisit")
 
 
 def run_ab(request: dict, trace: Trace, progress) -> list[dict]:

@@ -143,6 +143,12 @@ def _add_stage2_options(ab) -> None:
                     "F), and the best F only where none fits (BF-IO's subset rule); "
                     "--no-stage2-fill: the best F always (the paper's); default: the rule for "
                     "BR-0, the paper's for BR-H")
+    ab.add_argument("--stage2-revisit", action=argparse.BooleanOptionalAction,
+                    default=BalanceRouteParams.stage2_revisit,
+                    help="a worker that took a Stage-2 subset with F > 0 and has slots left is "
+                    "taken again later in the round (a later admission may have raised the "
+                    "maximum), admitting only a subset with F > 0 then; default: each worker "
+                    "once (the paper's and BF-IO's)")
     ab.add_argument("--guard", default=None, choices=list(GUARD_RULES),
                     help="the starvation guard where a worker's best F in Stage 2 is not "
                     "positive: always (admit the single best request anyway; the paper's) or "
@@ -445,6 +451,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
                                   short_pool_growth=args.short_pool_growth,
                                   stage2_order=args.stage2_order,
                                   stage2_fill=args.stage2_fill,
+                                  stage2_revisit=args.stage2_revisit,
                                   fit_horizon=args.fit_horizon, guard=args.guard,
                                   patience=args.patience,
                                   zero_gamma_rules=args.zero_gamma_rules,

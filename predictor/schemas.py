@@ -532,6 +532,11 @@ class AbComparisonIn(ReplayIn):
         "the current maximum together, and the best F only where none fits (BF-IO's subset "
         "rule); false: the best F always (the paper's); null (default): the rule for BR-0, "
         "the paper's for BR-H")
+    stage2_revisit: Annotated[bool, Field(strict=True)] = Field(
+        BalanceRouteParams.stage2_revisit,
+        description="a worker that took a Stage-2 subset with F > 0 and has slots left is "
+        "taken again later in the round (a later admission may have raised the maximum), "
+        "admitting only a subset with F > 0 then; false (default): each worker once")
     guard: GuardRule | None = Field(
         None,
         description="the starvation guard where a worker's best F in Stage 2 is not "

@@ -220,6 +220,12 @@ class BalanceRouteParams:
             imbalance over issue 10's saturated cells), ``False`` for BR-H (the rule gains it
             little and costs it at Azure G = 4; see the README, "BF-IO's subset rule").
             Rounds at ``gamma`` 0: see ``zero_gamma_rules``.
+        stage2_revisit: a worker that took a Stage-2 subset scoring F > 0 and has slots
+            left is taken again later in the same round (keyed by its slots and margin then:
+            a later worker's admission may have raised the maximum, giving it room again);
+            a revisit admits only a subset scoring F > 0 (no guard). False (default): each
+            worker is taken once (the paper's and BF-IO's). Measured in the peer's setting,
+            see the README.
         guard: the starvation guard in Stage 2, where a worker's best subset scores F <= 0
             (every candidate raises the imbalance more than it fills): ``always`` (the
             paper's) admits the single best request anyway; ``idle`` leaves the worker's
@@ -339,6 +345,7 @@ class BalanceRouteParams:
     short_pool: ShortPoolRule = "lpt-fit"
     stage2_order: Stage2Order | None = None
     stage2_fill: bool | None = None
+    stage2_revisit: bool = False
     fit_horizon: float | None = None
     guard: GuardRule | None = None
     step_overhead: float | None = None
@@ -513,6 +520,7 @@ class BalanceRouteParams:
             lpt_count_weight=self.lpt_count_weight,
             stage2_order=self.stage2_order,
             stage2_fill=self.stage2_fill,
+            stage2_revisit=self.stage2_revisit,
             guard=self.guard,
             step_overhead=self.step_overhead,
             patience=self.patience,
@@ -953,7 +961,7 @@ class _Round:
                                    self.table.beta, self.params.effective_stage2_order,
                                    self.params.effective_stage2_fill,
                                    "idle" if self._guard_waits() else "always",
-                                   self._wait_context())
+                                   self._wait_context(), self.params.stage2_revisit)
         self.stats.waited.extend(done.waited)
         self.stats.patience_admissions += done.patience_admissions
         for index, worker, guard in done.admitted:
@@ -1087,16 +1095,18 @@ class _Round:
         """Workers with free slots in ``params.effective_stage2_order`` (``slots``: most free
         slots, then the widest margin, then index; ``margin``: the widest margin, then index), each
         the best subset of the first ``r_max`` waiting requests, or the starvation guard's
-        single request where no subset scores above 0."""
+        single request where no subset scores above 0. ``stage2_revisit``: a worker that took
+        a subset scoring above 0 and has slots left is pushed back, keyed by its slots and
+        margin then, and on that visit takes only a subset scoring above 0."""
         if not self.waiting or self.total_free <= 0:
             return
         free, table = self.free, self.table
         by_slots = self.params.effective_stage2_order == "slots"
-        heap = [(-int(free[g]) if by_slots else 0, -table.current_margin(g), g)
+        heap = [(-int(free[g]) if by_slots else 0, -table.current_margin(g), g, False)
                 for g in range(self.fleet.workers) if free[g] > 0]
         heapq.heapify(heap)
         while heap and self.waiting:
-            _, _, worker = heapq.heappop(heap)
+            _, _, worker, again = heapq.heappop(heap)
             candidates = self.waiting[: self.params.effective_r_max(self.fleet.workers)]
             choice = self._subset(worker, candidates)
             if choice is None:
@@ -1106,6 +1116,11 @@ class _Round:
                 for index in picked:
                     self.admit(worker, index)
                 self.stats.stage2_admissions += len(picked)
+                if self.params.stage2_revisit and free[worker] > 0:  # back in, keyed anew
+                    heapq.heappush(heap, (-int(free[worker]) if by_slots else 0,
+                                          -table.current_margin(worker), worker, True))
+            elif again:
+                continue  # a revisit admits only what pays (no guard, no wait)
             elif (holds := self._wait(worker, candidates)) and worker not in self.impatient:
                 self.stats.waited.append(worker)
                 continue  # the slots stay empty this round (guard "idle")

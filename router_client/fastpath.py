@@ -261,7 +261,7 @@ class Stage2Result:
 def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: list[int],
                r_max: int, beta: float, order_by: str = "slots",
                fill_slots: bool = False, guard: str = "always",
-               wait: WaitContext | None = None) -> Stage2Result:
+               wait: WaitContext | None = None, revisit: bool = False) -> Stage2Result:
     """The reference's Stage 2 at H = 0 on scalar state: workers by (most free slots, widest
     margin, index) (``order_by="slots"``) or by (widest margin, index) (``"margin"``), each
     the exact best subset of the first ``r_max`` waiting requests
@@ -270,7 +270,10 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
     round, see ``admission._Round._guard_waits``, a worker whose best subset scores F <= 0
     takes nothing where no candidate's overflow pays, :func:`overflow_pays`; a worker with no
     request, all ``wait.capacity`` slots free, never waits, nor does one in
-    ``wait.impatient``)."""
+    ``wait.impatient``). ``revisit``: a worker that took a subset scoring F > 0 and has
+    slots left goes back into the order, keyed by its slots and margin then (a later worker's
+    admission may have raised the maximum: room under it again); a revisit admits only a
+    subset scoring F > 0 (no guard)."""
     if guard not in ("always", "idle"):
         raise ValueError(f"guard must be 'always' or 'idle', not {guard!r}")
     if guard == "idle" and wait is None:
@@ -279,14 +282,14 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
     envelope = max(load)
     slots = free.tolist()
     by_slots = order_by == "slots"
-    order = sorted((-slots[g] if by_slots else 0, -(envelope - load[g]), g)
-                   for g in np.flatnonzero(free > 0).tolist())
+    order = [(-slots[g] if by_slots else 0, -(envelope - load[g]), g, False)
+             for g in np.flatnonzero(free > 0).tolist()]
+    heapq.heapify(order)  # popped in sorted order; a revisit is pushed back in
     admitted: list[tuple[int, int, bool]] = []
     waited: list[int] = []
     patience_admissions = 0
-    for _, _, worker in order:
-        if not waiting:
-            break
+    while order and waiting:
+        _, _, worker, again = heapq.heappop(order)
         candidates = waiting[:r_max]
         margin = envelope - load[worker]
         score = partial(br0_scores, margin=margin, beta=beta)
@@ -301,6 +304,8 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
         if choice.score > 0:
             picked = [candidates[k] for k in choice.indices]
             forced = False
+        elif again:
+            continue  # a revisit admits only what pays
         else:
             # the guard idle holds the worker back where no candidate's overflow pays (a
             # worker with no request never waits), unless it is out of patience
@@ -319,6 +324,10 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
             load[worker] += float(sizes[index])
             envelope = max(envelope, load[worker])
             admitted.append((index, worker, forced))
+        slots[worker] -= len(picked)
+        if revisit and not forced and slots[worker] > 0:
+            heapq.heappush(order, (-slots[worker] if by_slots else 0,
+                                   -(envelope - load[worker]), worker, True))
         taken = set(picked)
         waiting = [i for i in candidates if i not in taken] + waiting[len(candidates):]
     return Stage2Result(admitted, waiting, waited, patience_admissions)

@@ -1,5 +1,6 @@
 import json
 import time
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -8,6 +9,7 @@ from predictor.app import create_app
 from predictor.cli import main
 from predictor.settings import Settings
 from router_client.synth import synthesize
+from router_client.traces import load_trace
 
 POLICIES = ["jsq", "ltl", "br0", "brh-survival", "brh-oracle"]
 
@@ -419,3 +421,21 @@ def test_jobs_list_cancel_and_limits(tmp_path):
                 assert time.monotonic() < deadline, "the job was not cancelled"
                 time.sleep(0.1)
         assert c.delete("/v1/ab-comparisons/nope").status_code == 404
+
+
+def test_stage2_revisit_over_rest_and_cli(tmp_path):
+    """``stage2_revisit`` reaches BR-0 as ``--stage2-revisit`` does (equal rows; on a saturated
+    fleet some rounds revisit a worker, so the rows move), and a string is refused naming the
+    field."""
+    # the bundled Azure trace's first 1,200 requests: at B = 8 some rounds revisit (the
+    # synthetic workloads at this scale never do)
+    azure = load_trace(str(Path(__file__).resolve().parents[2] / "router_client" / "data"
+                           / "AzureLLMInferenceTrace_conv.csv"), requests=1200)
+    (tmp_path / "t.csv").write_text("arrival_s,prompt_tokens,output_tokens\n" + "".join(
+        f"{float(a)!r},{p},{o}\n" for a, p, o in zip(azure.arrival_s, azure.prompt_tokens,
+                                              azure.output_tokens, strict=True)))
+    rows = option_rows(tmp_path, tmp_path / "t.csv", "stage2_revisit", (
+        ("off", False, ["--no-stage2-revisit"]),
+        ("on", True, ["--stage2-revisit"])),
+        refused=("yes", 1), policies=("br0",))
+    assert rows["on"][0] != rows["off"][0]

@@ -48,11 +48,11 @@ def fleet_and_pool(seed, workers, capacity, pool_size, size_range, free_share=No
        count_weight=st.sampled_from([0.0, 1.0, 7.0, 0.3]), order=st.sampled_from(STAGE2_ORDERS),
        fill=st.booleans(), guard=st.sampled_from(GUARD_RULES),
        overhead=st.sampled_from([None, 0.0, 10.0, 500.0, float("inf")]),
-       down=st.booleans(), patience=st.sampled_from([None, 0, 1, 3]))
+       down=st.booleans(), patience=st.sampled_from([None, 0, 1, 3]), revisit=st.booleans())
 def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_size,
                                                  size_range, stage1, s_greedy, candidates,
                                                  r_max, count_weight, order, fill, guard,
-                                                 overhead, down, patience):
+                                                 overhead, down, patience, revisit):
     # small size ranges force ties in F, in load and in size (and, with a count weight, in
     # load + weight * active requests); the guard idle's fixed cost from 0 (it waits most)
     # to inf (never), worker 0 down as the proxy shows it (full, marked down), and workers
@@ -66,7 +66,7 @@ def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_s
                                     stage1_candidates=candidates, r_max=r_max,
                                     lpt_count_weight=count_weight, stage2_order=order,
                                     stage2_fill=fill, guard=guard, step_overhead=overhead,
-                                    patience=patience)
+                                    patience=patience, stage2_revisit=revisit)
     waited = np.random.default_rng(seed + 1).integers(0, 4, workers)
     want, want_stats = route_round(fleet, pool, params, reference=True, waited=waited)
     got, got_stats = route_round(fleet, pool, params, reference=False, waited=waited)
@@ -84,17 +84,19 @@ def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_s
                           ("auto-pair", "slots", False, "always"),
                           ("auto", "margin", False, "always"), ("auto", "slots", True, "always"),
                           ("auto", "margin", True, "always"), ("auto", "slots", False, "idle"),
-                          ("auto", "margin", True, "idle"), ("auto", "slots", False, "idle0")])
+                          ("auto", "margin", True, "idle"), ("auto", "slots", False, "idle0"),
+                          ("auto", "margin", True, "revisit")])
 @pytest.mark.parametrize(("load", "workers"), [("backlog", 4), (0.8, 8), (1.0, 3)])
 def test_ab_rows_unchanged_by_the_fast_path(monkeypatch, load, workers, stage1, order, fill,
                                             guard):
     # "idle0": the guard idle on a step without fixed cost (b = 0), where it waits most
     trace = synthesize("synth:long:n=600,seed=3")
     step_cost = (1.5e-7, 0.0) if guard == "idle0" else (1.5e-7, 0.010)
-    guard = "idle" if guard == "idle0" else guard
+    revisit = guard == "revisit"  # BR-0's default Stage 2 and guard, workers revisited
+    guard = "idle" if guard == "idle0" else "always" if revisit else guard
     config = SimConfig(workers=workers, batch=8, load=load, seed=1, step_cost=step_cost)
     params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order, stage2_fill=fill,
-                                    guard=guard)
+                                    guard=guard, stage2_revisit=revisit)
     fast = simulate(trace, make_policy("br0", params=params), config).row
     monkeypatch.setattr(admission, "FAST_PATH", False)
     slow = simulate(trace, make_policy("br0", params=params), config).row
@@ -120,15 +122,15 @@ def test_fast_stage1_breaks_ties_between_the_two_sides_like_the_reference(stage1
        pool_size=st.sampled_from([300, 4096]), size_range=st.sampled_from([4, 50, 6000]),
        stage1=st.sampled_from(STAGE1_RULES), order=st.sampled_from(STAGE2_ORDERS),
        fill=st.booleans(), guard=st.sampled_from(GUARD_RULES),
-       overhead=st.sampled_from([None, 0.0]))
+       overhead=st.sampled_from([None, 0.0]), revisit=st.booleans())
 def test_fast_path_same_decisions_at_g256(seed, free_share, pool_size, size_range, stage1,
-                                          order, fill, guard, overhead):
+                                          order, fill, guard, overhead, revisit):
     # the bench's scale: G = 256, B = 64, pool 4096 (a round reads only its head), or a pool
     # shorter than the free slots (about 330 or 490 at the larger shares: auto is lpt);
     # small size ranges force ties in F, load and size
     fleet, pool = fleet_and_pool(seed, 256, 64, pool_size, size_range, free_share)
     params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order, stage2_fill=fill,
-                                    guard=guard, step_overhead=overhead)
+                                    guard=guard, step_overhead=overhead, stage2_revisit=revisit)
     want, want_stats = route_round(fleet, pool, params, reference=True)
     got, got_stats = route_round(fleet, pool, params, reference=False)
     assert got == want
@@ -226,3 +228,32 @@ def test_greedy_row_subset_past_enumeration(seed, max_count, scale):
         assert used <= margin
         if len(fill.indices) < max_count:
             assert all(used + rows[i, 0] > margin for i in range(20) if i not in fill.indices)
+
+
+@pytest.mark.parametrize("reference", [True, False])
+def test_stage2_revisit_takes_the_room_a_later_admission_made(reference):
+    """Loads 80, 60 (full), 0 with 1, 0, 2 free slots; pool 60, 70, 80, 50; BR-0 (beta = G =
+    3, widest margin first, BF-IO's subset rule). Worker 2 (margin 80) takes 80, the largest
+    that fits (no two fit together). Worker 0 (margin 0) fits nothing: the guard admits 50,
+    and the maximum rises to 130. Without revisits the round ends there and 60 waits. With
+    ``stage2_revisit`` worker 2 (slot left, now margin 50) is taken again: 60 scores F = 50 -
+    3 * 10 = 20 > 0, 70 scores 50 - 3 * 20 = -10, so it takes 60; on a revisit nothing is
+    forced."""
+    fleet = FleetView.from_active(3, 2, np.array([0, 1, 1]), np.array([80.0, 30.0, 30.0]),
+                                  None)
+    pool = [WaitingRequest(i, s) for i, s in enumerate((60, 70, 80, 50))]
+    once = route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=8), reference=reference)
+    again = route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=8, stage2_revisit=True),
+                        reference=reference)
+    assert [(a.pool_index, a.worker, a.starvation_guard) for a in once[0]] == [
+        (2, 2, False), (3, 0, True)]
+    assert [(a.pool_index, a.worker, a.starvation_guard) for a in again[0]] == [
+        (2, 2, False), (3, 0, True), (0, 2, False)]
+    assert again[1].starvation_guard_admissions == 1
+    # a revisit that finds nothing with F > 0 admits nothing (no guard): with 75 in 60's place
+    # worker 2's revisit scores 75 at 50 - 3 * 25 = 0 and 200 below, so 75 and 200 wait
+    pool = [WaitingRequest(i, s) for i, s in enumerate((75, 80, 50, 200))]
+    got = route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=8, stage2_revisit=True),
+                      reference=reference)
+    assert [(a.pool_index, a.worker) for a in got[0]] == [(1, 2), (2, 0)]
+    assert got[1].starvation_guard_admissions == 1

@@ -1096,17 +1096,22 @@ class _Round:
         slots, then the widest margin, then index; ``margin``: the widest margin, then index), each
         the best subset of the first ``r_max`` waiting requests, or the starvation guard's
         single request where no subset scores above 0. ``stage2_revisit``: a worker that took
-        a subset scoring above 0 and has slots left is pushed back, keyed by its slots and
-        margin then, and on that visit takes only a subset scoring above 0."""
+        a subset scoring above 0 and has slots left is taken again after every worker's first
+        visit (revisits in the same order, by their slots and margins under the round's first
+        maximum), and on that visit takes only a subset scoring above 0."""
         if not self.waiting or self.total_free <= 0:
             return
         free, table = self.free, self.table
         by_slots = self.params.effective_stage2_order == "slots"
-        heap = [(-int(free[g]) if by_slots else 0, -table.current_margin(g), g, False)
+        # (revisit, slots, margin, index); a revisit is keyed by its margin at the round's
+        # first maximum (its load, which nothing changes until it is popped again), so that
+        # every key compares margins under one maximum
+        first = float(table.envelope[0])
+        heap = [(False, -int(free[g]) if by_slots else 0, -table.current_margin(g), g)
                 for g in range(self.fleet.workers) if free[g] > 0]
         heapq.heapify(heap)
         while heap and self.waiting:
-            _, _, worker, again = heapq.heappop(heap)
+            again, _, _, worker = heapq.heappop(heap)
             candidates = self.waiting[: self.params.effective_r_max(self.fleet.workers)]
             choice = self._subset(worker, candidates)
             if choice is None:
@@ -1116,9 +1121,9 @@ class _Round:
                 for index in picked:
                     self.admit(worker, index)
                 self.stats.stage2_admissions += len(picked)
-                if self.params.stage2_revisit and free[worker] > 0:  # back in, keyed anew
-                    heapq.heappush(heap, (-int(free[worker]) if by_slots else 0,
-                                          -table.current_margin(worker), worker, True))
+                if self.params.stage2_revisit and free[worker] > 0:  # after first visits
+                    heapq.heappush(heap, (True, -int(free[worker]) if by_slots else 0,
+                                          -(first - table.loads[worker, 0]), worker))
             elif again:
                 continue  # a revisit admits only what pays (no guard, no wait)
             elif (holds := self._wait(worker, candidates)) and worker not in self.impatient:

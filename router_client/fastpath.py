@@ -271,9 +271,10 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
     takes nothing where no candidate's overflow pays, :func:`overflow_pays`; a worker with no
     request, all ``wait.capacity`` slots free, never waits, nor does one in
     ``wait.impatient``). ``revisit``: a worker that took a subset scoring F > 0 and has
-    slots left goes back into the order, keyed by its slots and margin then (a later worker's
-    admission may have raised the maximum: room under it again); a revisit admits only a
-    subset scoring F > 0 (no guard)."""
+    slots left is taken again after every worker's first visit (later admissions may have
+    raised the maximum, and the window has moved on), revisits in the same order by their
+    slots and margins under the round's first maximum; a revisit admits only a subset
+    scoring F > 0 (no guard)."""
     if guard not in ("always", "idle"):
         raise ValueError(f"guard must be 'always' or 'idle', not {guard!r}")
     if guard == "idle" and wait is None:
@@ -282,14 +283,18 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
     envelope = max(load)
     slots = free.tolist()
     by_slots = order_by == "slots"
-    order = [(-slots[g] if by_slots else 0, -(envelope - load[g]), g, False)
+    # (revisit, slots, margin under the round's first maximum, index): first visits in
+    # the order's sorted order, then revisits, each keyed by its margin under that same
+    # maximum (its load: nothing changes it until it is popped again)
+    first = envelope
+    order = [(False, -slots[g] if by_slots else 0, -(first - load[g]), g)
              for g in np.flatnonzero(free > 0).tolist()]
-    heapq.heapify(order)  # popped in sorted order; a revisit is pushed back in
+    heapq.heapify(order)
     admitted: list[tuple[int, int, bool]] = []
     waited: list[int] = []
     patience_admissions = 0
     while order and waiting:
-        _, _, worker, again = heapq.heappop(order)
+        again, _, _, worker = heapq.heappop(order)
         candidates = waiting[:r_max]
         margin = envelope - load[worker]
         score = partial(br0_scores, margin=margin, beta=beta)
@@ -326,8 +331,8 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
             admitted.append((index, worker, forced))
         slots[worker] -= len(picked)
         if revisit and not forced and slots[worker] > 0:
-            heapq.heappush(order, (-slots[worker] if by_slots else 0,
-                                   -(envelope - load[worker]), worker, True))
+            heapq.heappush(order, (True, -slots[worker] if by_slots else 0,
+                                   -(first - load[worker]), worker))
         taken = set(picked)
         waiting = [i for i in candidates if i not in taken] + waiting[len(candidates):]
     return Stage2Result(admitted, waiting, waited, patience_admissions)

@@ -427,8 +427,8 @@ def test_stage2_revisit_over_rest_and_cli(tmp_path):
     """``stage2_revisit`` reaches BR-0 as ``--stage2-revisit`` does (equal rows; on a saturated
     fleet some rounds revisit a worker, so the rows move), and a string is refused naming the
     field."""
-    # the bundled Azure trace's first 1,200 requests: at B = 8 some rounds revisit (the
-    # synthetic workloads at this scale never do)
+    # the bundled Azure trace's first 1,200 requests: at B = 8 and load 1.0 some rounds
+    # revisit (the synthetic workloads at this scale never do)
     azure = load_trace(str(Path(__file__).resolve().parents[2] / "router_client" / "data"
                            / "AzureLLMInferenceTrace_conv.csv"), requests=1200)
     (tmp_path / "t.csv").write_text("arrival_s,prompt_tokens,output_tokens\n" + "".join(
@@ -437,5 +437,5 @@ def test_stage2_revisit_over_rest_and_cli(tmp_path):
     rows = option_rows(tmp_path, tmp_path / "t.csv", "stage2_revisit", (
         ("off", False, ["--no-stage2-revisit"]),
         ("on", True, ["--stage2-revisit"])),
-        refused=("yes", 1), policies=("br0",))
+        refused=("yes", 1), load=1.0, policies=("br0",))
     assert rows["on"][0] != rows["off"][0]

@@ -3,6 +3,7 @@
 from dataclasses import replace
 from functools import partial
 from itertools import combinations
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,10 @@ from router_client.fscore import MarginTable, discounts
 from router_client.policies import make_policy
 from router_client.simulator import SimConfig, simulate
 from router_client.synth import synthesize
+from router_client.traces import load_trace
+
+AZURE = (Path(__file__).resolve().parents[2] / "router_client" / "data"
+         / "AzureLLMInferenceTrace_conv.csv")
 
 
 def fleet_and_pool(seed, workers, capacity, pool_size, size_range, free_share=None):
@@ -84,19 +89,17 @@ def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_s
                           ("auto-pair", "slots", False, "always"),
                           ("auto", "margin", False, "always"), ("auto", "slots", True, "always"),
                           ("auto", "margin", True, "always"), ("auto", "slots", False, "idle"),
-                          ("auto", "margin", True, "idle"), ("auto", "slots", False, "idle0"),
-                          ("auto", "margin", True, "revisit")])
+                          ("auto", "margin", True, "idle"), ("auto", "slots", False, "idle0")])
 @pytest.mark.parametrize(("load", "workers"), [("backlog", 4), (0.8, 8), (1.0, 3)])
 def test_ab_rows_unchanged_by_the_fast_path(monkeypatch, load, workers, stage1, order, fill,
                                             guard):
     # "idle0": the guard idle on a step without fixed cost (b = 0), where it waits most
     trace = synthesize("synth:long:n=600,seed=3")
     step_cost = (1.5e-7, 0.0) if guard == "idle0" else (1.5e-7, 0.010)
-    revisit = guard == "revisit"  # BR-0's default Stage 2 and guard, workers revisited
-    guard = "idle" if guard == "idle0" else "always" if revisit else guard
+    guard = "idle" if guard == "idle0" else guard
     config = SimConfig(workers=workers, batch=8, load=load, seed=1, step_cost=step_cost)
     params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order, stage2_fill=fill,
-                                    guard=guard, stage2_revisit=revisit)
+                                    guard=guard)
     fast = simulate(trace, make_policy("br0", params=params), config).row
     monkeypatch.setattr(admission, "FAST_PATH", False)
     slow = simulate(trace, make_policy("br0", params=params), config).row
@@ -122,15 +125,16 @@ def test_fast_stage1_breaks_ties_between_the_two_sides_like_the_reference(stage1
        pool_size=st.sampled_from([300, 4096]), size_range=st.sampled_from([4, 50, 6000]),
        stage1=st.sampled_from(STAGE1_RULES), order=st.sampled_from(STAGE2_ORDERS),
        fill=st.booleans(), guard=st.sampled_from(GUARD_RULES),
-       overhead=st.sampled_from([None, 0.0]), revisit=st.booleans())
+       overhead=st.sampled_from([None, 0.0]))
 def test_fast_path_same_decisions_at_g256(seed, free_share, pool_size, size_range, stage1,
-                                          order, fill, guard, overhead, revisit):
+                                          order, fill, guard, overhead):
     # the bench's scale: G = 256, B = 64, pool 4096 (a round reads only its head), or a pool
     # shorter than the free slots (about 330 or 490 at the larger shares: auto is lpt);
-    # small size ranges force ties in F, load and size
+    # small size ranges force ties in F, load and size (revisits: the small fleets above,
+    # here a worker rarely has a second free slot)
     fleet, pool = fleet_and_pool(seed, 256, 64, pool_size, size_range, free_share)
     params = BalanceRouteParams.br0(stage1=stage1, stage2_order=order, stage2_fill=fill,
-                                    guard=guard, step_overhead=overhead, stage2_revisit=revisit)
+                                    guard=guard, step_overhead=overhead)
     want, want_stats = route_round(fleet, pool, params, reference=True)
     got, got_stats = route_round(fleet, pool, params, reference=False)
     assert got == want
@@ -233,12 +237,13 @@ def test_greedy_row_subset_past_enumeration(seed, max_count, scale):
 @pytest.mark.parametrize("reference", [True, False])
 def test_stage2_revisit_takes_the_room_a_later_admission_made(reference):
     """Loads 80, 60 (full), 0 with 1, 0, 2 free slots; pool 60, 70, 80, 50; BR-0 (beta = G =
-    3, widest margin first, BF-IO's subset rule). Worker 2 (margin 80) takes 80, the largest
-    that fits (no two fit together). Worker 0 (margin 0) fits nothing: the guard admits 50,
-    and the maximum rises to 130. Without revisits the round ends there and 60 waits. With
-    ``stage2_revisit`` worker 2 (slot left, now margin 50) is taken again: 60 scores F = 50 -
-    3 * 10 = 20 > 0, 70 scores 50 - 3 * 20 = -10, so it takes 60; on a revisit nothing is
-    forced."""
+    3, widest margin first, BF-IO's subset rule; F of D tokens at margin m is D up to m, D -
+    3 (D - m) above it). Worker 2 (margin 80) takes 80, the largest that fits (no two fit
+    together). Worker 0 (margin 0) fits nothing: the guard admits 50 (F -100, the best), and
+    the maximum rises to 130. Without revisits the round ends there and 60 and 70 wait. With
+    ``stage2_revisit`` worker 2 (a slot left, margin now 50) is taken again after the first
+    visits: nothing fits, F(60) = 60 - 3 * 10 = 30 and F(70) = 70 - 3 * 20 = 10, so it takes
+    60; a revisit forces nothing."""
     fleet = FleetView.from_active(3, 2, np.array([0, 1, 1]), np.array([80.0, 30.0, 30.0]),
                                   None)
     pool = [WaitingRequest(i, s) for i, s in enumerate((60, 70, 80, 50))]
@@ -250,10 +255,59 @@ def test_stage2_revisit_takes_the_room_a_later_admission_made(reference):
     assert [(a.pool_index, a.worker, a.starvation_guard) for a in again[0]] == [
         (2, 2, False), (3, 0, True), (0, 2, False)]
     assert again[1].starvation_guard_admissions == 1
-    # a revisit that finds nothing with F > 0 admits nothing (no guard): with 75 in 60's place
-    # worker 2's revisit scores 75 at 50 - 3 * 25 = 0 and 200 below, so 75 and 200 wait
+    # a revisit that finds nothing with F > 0 admits nothing (no guard): pool 75, 80, 50, 200,
+    # the first visits as above; worker 2's revisit scores F(75) = 75 - 3 * 25 = 0 and
+    # F(200) = 200 - 3 * 150 < 0, so 75 and 200 wait
     pool = [WaitingRequest(i, s) for i, s in enumerate((75, 80, 50, 200))]
     got = route_round(fleet, pool, BalanceRouteParams.br0(s_greedy=8, stage2_revisit=True),
                       reference=reference)
     assert [(a.pool_index, a.worker) for a in got[0]] == [(1, 2), (2, 0)]
     assert got[1].starvation_guard_admissions == 1
+
+
+@pytest.mark.parametrize(("load", "batch", "order"), [("backlog", 16, "margin"),
+                                                      ("backlog", 16, "slots"),
+                                                      (1.0, 8, "margin")])
+def test_ab_rows_with_stage2_revisits_unchanged_by_the_fast_path(monkeypatch, load, batch,
+                                                                 order):
+    """The bundled Azure trace's first 1,200 requests at G = 4, where revisits act (the rows
+    move with them): the fast path's rows equal the reference's."""
+    trace = load_trace(str(AZURE), requests=1200)
+    config = SimConfig(workers=4, batch=batch, load=load, seed=1)
+    params = BalanceRouteParams.br0(stage2_order=order, stage2_revisit=True)
+
+    def rows(params):
+        row = simulate(trace, make_policy("br0", params=params), config).row
+        row.pop("sim_wall_s")
+        return row
+
+    fast = rows(params)
+    assert fast != rows(replace(params, stage2_revisit=False))  # revisits acted
+    monkeypatch.setattr(admission, "FAST_PATH", False)
+    assert rows(params) == fast
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), workers=st.integers(2, 8), capacity=st.integers(1, 8),
+       pool_size=st.integers(0, 40), size_range=st.sampled_from([3, 20, 6000]),
+       s_greedy=st.sampled_from([0, 7, 100]), r_max=st.integers(1, 6),
+       order=st.sampled_from(STAGE2_ORDERS), fill=st.booleans(),
+       guard=st.sampled_from(GUARD_RULES))
+def test_stage2_revisits_only_add_admissions_that_pay_after_the_first_visits(
+        seed, workers, capacity, pool_size, size_range, s_greedy, r_max, order, fill, guard):
+    """Revisits come after every worker's first visit: a round with them routes the round
+    without them first (the same assignments, in the same order), then adds only admissions
+    scoring F > 0 (never the guard's), each onto a worker that took a Stage-2 subset and had
+    slots left."""
+    fleet, pool = fleet_and_pool(seed, workers, capacity, pool_size, size_range)
+    params = BalanceRouteParams.br0(s_greedy=s_greedy, r_max=r_max, stage2_order=order,
+                                    stage2_fill=fill, guard=guard)
+    once, once_stats = route_round(fleet, pool, params)
+    again, again_stats = route_round(fleet, pool, replace(params, stage2_revisit=True))
+    assert again[:len(once)] == once
+    added = again[len(once):]
+    assert not any(a.starvation_guard for a in added)
+    assert again_stats.starvation_guard_admissions == once_stats.starvation_guard_admissions
+    assert again_stats.waited == once_stats.waited
+    first_visit_takers = {a.worker for a in once if not a.starvation_guard}
+    assert {a.worker for a in added} <= first_visit_takers

@@ -358,6 +358,11 @@ class BalanceRouteParams:
     br0_check: float | None = None
 
     def __post_init__(self) -> None:
+        for spec in dataclasses.fields(self):  # a switch is True or False ("yes" is neither)
+            value = getattr(self, spec.name)
+            if spec.type in ("bool", "bool | None") and not (
+                    isinstance(value, bool) or (value is None and spec.type != "bool")):
+                raise ParameterError(spec.name, f"must be true or false, not {value!r}")
         if self.horizon < 0:
             raise ParameterError("horizon", "must be >= 0")
         if self.horizon == 0 and self.alpha != 1.0:

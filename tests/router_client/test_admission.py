@@ -1,3 +1,4 @@
+import dataclasses
 from dataclasses import replace
 
 import numpy as np
@@ -1255,3 +1256,21 @@ def test_params_with_settings_reads_every_field_from_text():
                             ({"s_greedy": "-1"}, "s_greedy")):
         with pytest.raises(ParameterError, match=field):
             base.with_settings(settings)
+
+
+def test_params_refuse_a_switch_that_is_not_true_or_false():
+    """An embedding router builds ``BalanceRouteParams`` from Python: a switch given as text,
+    a number or None (where the field cannot be unset) is refused naming the field, as REST,
+    the CLI and ``--param`` refuse it; ``stage2_fill`` may be None (the policy's rule)."""
+    switches = [f.name for f in dataclasses.fields(BalanceRouteParams)
+                if f.type in ("bool", "bool | None")]
+    assert {"stage2_revisit", "learned_short_pool", "stage2_fill"} <= set(switches)
+    for name in switches:
+        for bad in ("yes", 1, 0.0, np.float64(1.0)):
+            with pytest.raises(ParameterError, match=f"^{name}: must be true or false"):
+                BalanceRouteParams(**{name: bad})
+        for good in (True, False):
+            assert getattr(BalanceRouteParams(**{name: good}), name) is good
+    assert BalanceRouteParams(stage2_fill=None).stage2_fill is None
+    with pytest.raises(ParameterError, match="^stage2_revisit: must be true or false"):
+        BalanceRouteParams(stage2_revisit=None)  # type: ignore[arg-type]

@@ -478,7 +478,7 @@ class BalanceRouteParams:
         """``stage2_fill``, or when unset ``True`` for BR-0 and ``False`` for BR-H."""
         if self.stage2_fill is not None:
             return self.stage2_fill
-        return self.horizon == 0
+        return bool(self.horizon == 0)  # a bool even for a numpy horizon (the field's check)
 
     @property
     def effective_stage2_order(self) -> Stage2Order:

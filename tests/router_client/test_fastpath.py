@@ -292,18 +292,20 @@ def test_ab_rows_with_stage2_revisits_unchanged_by_the_fast_path(monkeypatch, lo
        pool_size=st.integers(0, 40), size_range=st.sampled_from([3, 20, 6000]),
        s_greedy=st.sampled_from([0, 7, 100]), r_max=st.integers(1, 6),
        order=st.sampled_from(STAGE2_ORDERS), fill=st.booleans(),
-       guard=st.sampled_from(GUARD_RULES))
+       guard=st.sampled_from(GUARD_RULES), reference=st.booleans())
 def test_stage2_revisits_only_add_admissions_that_pay_after_the_first_visits(
-        seed, workers, capacity, pool_size, size_range, s_greedy, r_max, order, fill, guard):
+        seed, workers, capacity, pool_size, size_range, s_greedy, r_max, order, fill, guard,
+        reference):
     """Revisits come after every worker's first visit: a round with them routes the round
-    without them first (the same assignments, in the same order), then adds only admissions
-    scoring F > 0 (never the guard's), each onto a worker that took a Stage-2 subset and had
-    slots left."""
+    without them first (the same assignments, in the same order), then adds admissions that
+    are never the guard's, each onto a worker that had taken a request this round other than
+    by the guard (the reference and the fast path alike)."""
     fleet, pool = fleet_and_pool(seed, workers, capacity, pool_size, size_range)
     params = BalanceRouteParams.br0(s_greedy=s_greedy, r_max=r_max, stage2_order=order,
                                     stage2_fill=fill, guard=guard)
-    once, once_stats = route_round(fleet, pool, params)
-    again, again_stats = route_round(fleet, pool, replace(params, stage2_revisit=True))
+    once, once_stats = route_round(fleet, pool, params, reference=reference)
+    again, again_stats = route_round(fleet, pool, replace(params, stage2_revisit=True),
+                                     reference=reference)
     assert again[:len(once)] == once
     added = again[len(once):]
     assert not any(a.starvation_guard for a in added)

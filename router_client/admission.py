@@ -567,6 +567,7 @@ class RoundStats:
     extra: dict[str, float] = field(default_factory=dict)
     waited: list[int] = field(default_factory=list)  # workers the guard idle held back
     patience_admissions: int = 0  # guard admissions of workers out of patience
+    revisit_admissions: int = 0  # Stage-2 admissions on a revisit (``stage2_revisit``)
 
 
 def build_table(fleet: FleetView, params: BalanceRouteParams,
@@ -969,6 +970,7 @@ class _Round:
                                    self._wait_context(), self.params.stage2_revisit)
         self.stats.waited.extend(done.waited)
         self.stats.patience_admissions += done.patience_admissions
+        self.stats.revisit_admissions += done.revisit_admissions
         for index, worker, guard in done.admitted:
             self.out.append(Assignment(index, worker, guard))
             self.stats.stage2_admissions += 1
@@ -1126,6 +1128,7 @@ class _Round:
                 for index in picked:
                     self.admit(worker, index)
                 self.stats.stage2_admissions += len(picked)
+                self.stats.revisit_admissions += len(picked) if again else 0
                 if self.params.stage2_revisit and free[worker] > 0:  # after first visits
                     heapq.heappush(heap, (True, -int(free[worker]) if by_slots else 0,
                                           -(first - table.loads[worker, 0]), worker))

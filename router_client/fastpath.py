@@ -256,6 +256,7 @@ class Stage2Result:
     waiting: list[int]
     waited: list[int] = field(default_factory=list)  # workers the guard idle held back
     patience_admissions: int = 0  # guard admissions of workers out of patience
+    revisit_admissions: int = 0  # admissions on a revisit (``revisit``)
 
 
 def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: list[int],
@@ -292,7 +293,7 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
     heapq.heapify(order)
     admitted: list[tuple[int, int, bool]] = []
     waited: list[int] = []
-    patience_admissions = 0
+    patience_admissions = revisit_admissions = 0
     while order and waiting:
         again, _, _, worker = heapq.heappop(order)
         candidates = waiting[:r_max]
@@ -309,6 +310,7 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
         if choice.score > 0:
             picked = [candidates[k] for k in choice.indices]
             forced = False
+            revisit_admissions += len(picked) if again else 0
         elif again:
             continue  # a revisit admits only what pays
         else:
@@ -335,7 +337,7 @@ def stage2_br0(loads: np.ndarray, free: np.ndarray, sizes: np.ndarray, waiting: 
                                    -(first - load[worker]), worker))
         taken = set(picked)
         waiting = [i for i in candidates if i not in taken] + waiting[len(candidates):]
-    return Stage2Result(admitted, waiting, waited, patience_admissions)
+    return Stage2Result(admitted, waiting, waited, patience_admissions, revisit_admissions)
 
 
 @dataclass(frozen=True)

@@ -253,6 +253,7 @@ class MetricsCollector:
         self.guard_admissions = 0
         self.guard_waits = 0  # workers the guard idle held back, one per worker and round
         self.patience_admissions = 0  # guard admissions of workers out of patience
+        self.revisit_admissions = 0  # Stage-2 admissions on a revisit (stage2_revisit)
         # steps with more requests waiting than free slots: some had to wait, and the policy
         # chose which (0: every request found a slot at once, and policies differ only in
         # where they put it; a fleet that never filled tells BR settings nothing apart)
@@ -304,6 +305,7 @@ class MetricsCollector:
             "starvation_guard_admissions": self.guard_admissions,
             "guard_waits": self.guard_waits,
             "patience_admissions": self.patience_admissions,
+            "stage2_revisit_admissions": self.revisit_admissions,
             "contended_steps": self.contended_steps,
             "fallback_steps": len(self.fallback_rounds),
             "gamma_mean": float(np.mean(self.gammas)) if self.gammas else None,
@@ -451,6 +453,7 @@ class Simulation:
         self.metrics.br0_check_rounds += int(stats.extra.get("br0_check", False))
         self.metrics.guard_waits += len(stats.waited)
         self.metrics.patience_admissions += stats.patience_admissions
+        self.metrics.revisit_admissions += stats.revisit_admissions
         if not decision.assignments:
             return
         taken: set[int] = set()

@@ -76,6 +76,7 @@ def test_fast_stage1_same_decisions_as_reference(seed, workers, capacity, pool_s
     want, want_stats = route_round(fleet, pool, params, reference=True, waited=waited)
     got, got_stats = route_round(fleet, pool, params, reference=False, waited=waited)
     assert got == want
+    assert got_stats.revisit_admissions == want_stats.revisit_admissions
     assert got_stats.stage1_admissions == want_stats.stage1_admissions
     assert got_stats.starvation_guard_admissions == want_stats.starvation_guard_admissions
     assert got_stats.waited == want_stats.waited
@@ -282,7 +283,9 @@ def test_ab_rows_with_stage2_revisits_unchanged_by_the_fast_path(monkeypatch, lo
         return row
 
     fast = rows(params)
-    assert fast != rows(replace(params, stage2_revisit=False))  # revisits acted
+    once = rows(replace(params, stage2_revisit=False))
+    assert fast != once  # revisits acted, and the rows count them
+    assert fast["stage2_revisit_admissions"] > 0 == once["stage2_revisit_admissions"]
     monkeypatch.setattr(admission, "FAST_PATH", False)
     assert rows(params) == fast
 
@@ -308,6 +311,8 @@ def test_stage2_revisits_only_add_admissions_that_pay_after_the_first_visits(
                                      reference=reference)
     assert again[:len(once)] == once
     added = again[len(once):]
+    assert again_stats.revisit_admissions == len(added)
+    assert once_stats.revisit_admissions == 0
     assert not any(a.starvation_guard for a in added)
     assert again_stats.starvation_guard_admissions == once_stats.starvation_guard_admissions
     assert again_stats.waited == once_stats.waited

@@ -146,9 +146,9 @@ def _add_stage2_options(ab) -> None:
     ab.add_argument("--stage2-revisit", action=argparse.BooleanOptionalAction,
                     default=BalanceRouteParams.stage2_revisit,
                     help="a worker that took a Stage-2 subset with F > 0 and has slots left is "
-                    "taken again later in the round (a later admission may have raised the "
-                    "maximum), admitting only a subset with F > 0 then; default: each worker "
-                    "once (the paper's and BF-IO's)")
+                    "taken again after every worker's first visit (a later admission may have "
+                    "raised the maximum), admitting only a subset with F > 0 then; default: "
+                    "each worker once (the paper's and BF-IO's)")
     ab.add_argument("--guard", default=None, choices=list(GUARD_RULES),
                     help="the starvation guard where a worker's best F in Stage 2 is not "
                     "positive: always (admit the single best request anyway; the paper's) or "

@@ -535,8 +535,8 @@ class AbComparisonIn(ReplayIn):
     stage2_revisit: Annotated[bool, Field(strict=True)] = Field(
         BalanceRouteParams.stage2_revisit,
         description="a worker that took a Stage-2 subset with F > 0 and has slots left is "
-        "taken again later in the round (a later admission may have raised the maximum), "
-        "admitting only a subset with F > 0 then; false (default): each worker once")
+        "taken again after every worker's first visit (a later admission may have raised the "
+        "maximum), admitting only a subset with F > 0 then; false (default): each worker once")
     guard: GuardRule | None = Field(
         None,
         description="the starvation guard where a worker's best F in Stage 2 is not "

@@ -221,11 +221,12 @@ class BalanceRouteParams:
             little and costs it at Azure G = 4; see the README, "BF-IO's subset rule").
             Rounds at ``gamma`` 0: see ``zero_gamma_rules``.
         stage2_revisit: a worker that took a Stage-2 subset scoring F > 0 and has slots
-            left is taken again later in the same round (keyed by its slots and margin then:
-            a later worker's admission may have raised the maximum, giving it room again);
-            a revisit admits only a subset scoring F > 0 (no guard). False (default): each
-            worker is taken once (the paper's and BF-IO's). Measured in the peer's setting,
-            see the README.
+            left is taken again after every worker's first visit (later admissions may have
+            raised the maximum, giving it room again), revisits in the same order by their
+            margins under the round's first maximum; a revisit admits only a subset scoring
+            F > 0 (no guard), so the round without revisits is routed first and only added
+            to. False (default): each worker is taken once (the paper's and BF-IO's).
+            Measured in the peer's setting, see the README.
         guard: the starvation guard in Stage 2, where a worker's best subset scores F <= 0
             (every candidate raises the imbalance more than it fills): ``always`` (the
             paper's) admits the single best request anyway; ``idle`` leaves the worker's
@@ -358,11 +359,10 @@ class BalanceRouteParams:
     br0_check: float | None = None
 
     def __post_init__(self) -> None:
-        for spec in dataclasses.fields(self):  # a switch is True or False ("yes" is neither)
-            value = getattr(self, spec.name)
-            if spec.type in ("bool", "bool | None") and not (
-                    isinstance(value, bool) or (value is None and spec.type != "bool")):
-                raise ParameterError(spec.name, f"must be true or false, not {value!r}")
+        for name, unset_ok in _SWITCHES:  # a switch is True or False ("yes" is neither)
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or (value is None and unset_ok)):
+                raise ParameterError(name, f"must be true or false, not {value!r}")
         if self.horizon < 0:
             raise ParameterError("horizon", "must be >= 0")
         if self.horizon == 0 and self.alpha != 1.0:
@@ -554,6 +554,12 @@ def _parse_setting(name: str, annotation: str, text: str) -> object:
             raise ParameterError(name, f"{raw!r} is not a number within +-{SETTING_LIMIT:g}")
         return value
     return raw  # a name (a Literal's choices are checked with the parameters)
+
+
+# BalanceRouteParams' switches, read once: (name, whether None, the policy's rule, is allowed)
+_SWITCHES = tuple((spec.name, spec.type == "bool | None")
+                  for spec in dataclasses.fields(BalanceRouteParams)
+                  if spec.type in ("bool", "bool | None"))
 
 
 @dataclass

@@ -1,12 +1,11 @@
 import json
 import time
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
 from predictor.app import create_app
-from predictor.cli import main
+from predictor.cli import bundled_trace, main
 from predictor.settings import Settings
 from router_client.synth import synthesize
 from router_client.traces import load_trace
@@ -105,16 +104,21 @@ def test_rest_comparison_takes_the_short_pool_rules_as_the_cli_does(tmp_path, fi
     assert rows[other] != rows[value]
 
 
-def short_output_csv(path) -> str:
-    """400 requests of 20 output tokens on average (backlog: several slots free a step, so
-    Stage 2 and the rounds of a short horizon decide), written to ``path`` as CSV; returns
-    the CSV text."""
-    trace = synthesize("synth:long:n=400,seed=5,output_mean=20,prompt_mean=800")
+def write_csv(trace, path) -> str:
+    """``trace`` written to ``path`` in the generic CSV format (its arrivals, prompt and output
+    tokens); returns the CSV text."""
     content = "arrival_s,prompt_tokens,output_tokens\n" + "".join(
         f"{a:.6f},{p},{o}\n" for a, p, o in zip(trace.arrival_s, trace.prompt_tokens,
                                                 trace.output_tokens, strict=True))
     path.write_text(content)
     return content
+
+
+def short_output_csv(path) -> str:
+    """400 requests of 20 output tokens on average (backlog: several slots free a step, so
+    Stage 2 and the rounds of a short horizon decide), written to ``path`` as CSV; returns
+    the CSV text."""
+    return write_csv(synthesize("synth:long:n=400,seed=5,output_mean=20,prompt_mean=800"), path)
 
 
 def test_rest_comparison_takes_the_stage2_order_as_the_cli_does(tmp_path):
@@ -429,11 +433,7 @@ def test_stage2_revisit_over_rest_and_cli(tmp_path):
     field."""
     # the bundled Azure trace's first 1,200 requests: at B = 8 and load 1.0 some rounds
     # revisit (the synthetic workloads at this scale never do)
-    azure = load_trace(str(Path(__file__).resolve().parents[2] / "router_client" / "data"
-                           / "AzureLLMInferenceTrace_conv.csv"), requests=1200)
-    (tmp_path / "t.csv").write_text("arrival_s,prompt_tokens,output_tokens\n" + "".join(
-        f"{float(a)!r},{p},{o}\n" for a, p, o in zip(azure.arrival_s, azure.prompt_tokens,
-                                              azure.output_tokens, strict=True)))
+    write_csv(load_trace(str(bundled_trace()), requests=1200), tmp_path / "t.csv")
     rows = option_rows(tmp_path, tmp_path / "t.csv", "stage2_revisit", (
         ("off", False, ["--no-stage2-revisit"]),
         ("on", True, ["--stage2-revisit"])),

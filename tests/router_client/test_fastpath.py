@@ -3,13 +3,13 @@
 from dataclasses import replace
 from functools import partial
 from itertools import combinations
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from predictor.cli import bundled_trace
 from router_client import admission
 from router_client.admission import (
     GUARD_RULES,
@@ -24,9 +24,6 @@ from router_client.policies import make_policy
 from router_client.simulator import SimConfig, simulate
 from router_client.synth import synthesize
 from router_client.traces import load_trace
-
-AZURE = (Path(__file__).resolve().parents[2] / "router_client" / "data"
-         / "AzureLLMInferenceTrace_conv.csv")
 
 
 def fleet_and_pool(seed, workers, capacity, pool_size, size_range, free_share=None):
@@ -273,7 +270,7 @@ def test_ab_rows_with_stage2_revisits_unchanged_by_the_fast_path(monkeypatch, lo
                                                                  order):
     """The bundled Azure trace's first 1,200 requests at G = 4, where revisits act (the rows
     move with them): the fast path's rows equal the reference's."""
-    trace = load_trace(str(AZURE), requests=1200)
+    trace = load_trace(str(bundled_trace()), requests=1200)
     config = SimConfig(workers=4, batch=batch, load=load, seed=1)
     params = BalanceRouteParams.br0(stage2_order=order, stage2_revisit=True)
 

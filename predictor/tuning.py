@@ -151,20 +151,30 @@ def parse_grid(items: Sequence[dict]) -> tuple[Candidate, ...]:
     return tuple(grid)
 
 
-def _replay(trace: Trace, candidate: Candidate, config: SimConfig, base: BalanceRouteParams,
-            estimator: str, settings: Settings | None, progress, warm: Trace | None = None
-            ) -> dict:
-    """One replay; ``warm``: past requests the learner knows before the replay starts."""
-    params = candidate.params(base)
-    policy_name = "br0" if candidate.policy == "br0" else estimator_spec(estimator).policy
+def replay(trace: Trace, policy_name: str, params: BalanceRouteParams, config: SimConfig,
+           settings: Settings | None = None, progress: Callable[[float], None] | None = None,
+           warm: Trace | None = None) -> dict:
+    """The result row of one replay of ``trace`` under ``policy_name`` (``br0``,
+    ``brh-<estimator>``, ``brh-oracle``) with ``params``, its horizon the simulator's;
+    ``warm``: past requests the learner knows before the replay starts (a running service's
+    state; true lengths and BR-0 ignore it)."""
     policy = make_policy(policy_name, seed=config.seed, params=params)
-    run_config = replace(config, horizon=max(candidate.horizon, 1))
+    run_config = replace(config, horizon=max(params.horizon, 1))
     predictor = make_predictor(policy_name, trace, settings)
     if predictor is not None and warm is not None:
         predictor.observe(FinishedBatch(
             np.arange(len(warm)), warm.prompt_tokens, warm.output_tokens, warm.censored,
             list(warm.prompt_keys)))
-    row = simulate(trace, policy, run_config, predictor, progress).row
+    return simulate(trace, policy, run_config, predictor, progress).row
+
+
+def _replay(trace: Trace, candidate: Candidate, config: SimConfig, base: BalanceRouteParams,
+            estimator: str, settings: Settings | None, progress, warm: Trace | None = None
+            ) -> dict:
+    """One replay of ``candidate``; ``warm`` as in :func:`replay`."""
+    params = candidate.params(base)
+    policy_name = "br0" if candidate.policy == "br0" else estimator_spec(estimator).policy
+    row = replay(trace, policy_name, params, config, settings, progress, warm)
     # the rule replayed, where the candidate left it to the base
     return {"setting": candidate.label, **asdict(candidate),
             "learned_short_pool": params.learned_short_pool, "estimator": estimator, **row,

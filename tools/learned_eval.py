@@ -38,7 +38,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tracepaths import trace_file  # noqa: E402  (tools/ beside this script)
+import evalcli  # noqa: E402  (tools/ beside this script)
+from tracepaths import trace_file  # noqa: E402
 
 from predictor.cli import main as balanceroute  # noqa: E402
 
@@ -137,10 +138,7 @@ def table(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=["run", "table"])
-    ap.add_argument("--json", type=Path, nargs="+", required=True,
-                    help="run: the file to append to (one); table: one or more, pooled")
+    ap = evalcli.parser(__doc__)
     ap.add_argument("--cells", type=lambda s: s.split(","), default=CELLS)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=10000)
@@ -148,14 +146,7 @@ def main() -> None:
     ap.add_argument("--policies", default=POLICIES, help="must include br0 and brh-oracle")
     ap.add_argument("--ab-args", type=lambda s: s.split(), default=[],
                     help="more `balanceroute ab` arguments, e.g. '--stage1 lpt'")
-    args = ap.parse_args()
-    if args.mode == "run":
-        if len(args.json) != 1:
-            ap.error("run appends to one --json file")
-        args.json = args.json[0]
-        run(args)
-    else:
-        table(args)
+    evalcli.dispatch(ap, run, table)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,55 @@
+"""tools/tuned_eval.py: tuning's pick judged on later traffic, resumable, and its table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from predictor.tuning import replay, tune
+from router_client.admission import BalanceRouteParams
+from router_client.simulator import SimConfig
+from router_client.traces import load_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = [sys.executable, str(ROOT / "tools" / "tuned_eval.py")]
+
+
+def test_tuned_eval_judges_the_pick_on_the_later_half_only(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    args = ["--json", str(out), "--cells", "tpl:backlog", "--workers", "2", "--seeds", "1",
+            "--requests", "300", "--batch", "8"]
+    subprocess.run([*TOOL, "run", *args], check=True, capture_output=True, cwd=ROOT)
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert (line["cell"], line["workers"], line["seed"], line["requests"]) == (
+        "tpl:backlog", 2, 1, [300, 300])
+    assert set(line["later"]) == {"br0", "tuned", "brh-exactmatch", "brh-oracle"}
+
+    # the same split by hand: tuning on the first 300 only, the four replays on the last 300
+    whole = load_trace("synth:templated:seed=1", requests=600)
+    config = SimConfig(workers=2, batch=8, load="backlog", seed=1)
+    result = tune(whole, config, holdout=0.5)
+    assert line["recommendation"] == result.recommendation
+    assert [r["setting"] for r in line["tuning"]] == [r["setting"] for r in result.rows]
+    later, past = whole.take(np.arange(300, 600)), whole.head(300)
+    for name, row in (("br0", result.evaluation[0]), ("tuned", result.evaluation[-1])):
+        assert line["later"][name]["throughput_tok_s"] == row["throughput_tok_s"]
+    learned = replay(later, "brh-exactmatch", BalanceRouteParams(), config, warm=past)
+    assert line["later"]["brh-exactmatch"]["throughput_tok_s"] == learned["throughput_tok_s"]
+    assert learned["requests"] == 300
+
+    subprocess.run([*TOOL, "run", *args], check=True, capture_output=True, cwd=ROOT)
+    assert len(out.read_text().splitlines()) == 1  # resumed: nothing run twice
+    table = subprocess.run([*TOOL, "table", "--json", str(out)], check=True,
+                           capture_output=True, text=True, cwd=ROOT).stdout
+    rows = {r.split(" | ")[4]: r.split(" | ") for r in table.splitlines()
+            if r.startswith("| tpl")}
+    assert set(rows) == {"tuned", "brh-exactmatch", "brh-oracle"}
+    ratio = line["later"]["tuned"]["throughput_tok_s"] / line["later"]["br0"]["throughput_tok_s"]
+    assert rows["tuned"][5].startswith(f"{ratio:.4f} (")
+    imb = (line["later"]["brh-oracle"]["imbalance_maxmin_mean"]
+           / line["later"]["br0"]["imbalance_maxmin_mean"])
+    assert rows["brh-oracle"][6] == f"{imb:.3f}"

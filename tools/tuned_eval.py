@@ -1,0 +1,150 @@
+"""What a service that tunes itself gives its routers: tuning's pick, replayed on later traffic.
+
+    python tools/tuned_eval.py run --json out.jsonl [--cells sharegpt:1.0,azure:1.0] \\
+        [--workers 4,8,16] [--seeds 1] [--requests 10000]
+    python tools/tuned_eval.py table --json out.jsonl [more.jsonl ...]
+
+For each cell (trace:load), G and replicate k: 2N requests in arrival order (real traces: a
+sample drawn with seed k, kept in order, ShareGPT with Poisson arrivals seeded by k;
+synth:long and synth:templated: the trace synthesized with ``seed=k``), the first N are the
+past and the last N the traffic the recommendation is judged on. ``balanceroute tune`` is run
+on the past (its grid in two windows, the learner the routers would get, default
+``exact_match``), and on the later N, with every learner warmed on the past as a running
+service's would be, four replays: BR-0, tuning's recommendation (BR-0 again when tuning says
+so), learned BR-H at its defaults (what a router runs without tuning) and BR-H with true
+lengths (``brh-oracle``, the gap's far end). Tuning sees only the past (the split is in
+arrival order and the learners of the later replays know only the past's outcomes:
+``test_tuning_uses_only_the_past``).
+
+``table`` reports per cell and G the recommendation and, for the tuned and the untuned learned
+policy, the throughput and the imbalance as ratios to BR-0 on the later N and the share of the
+BR-0-to-oracle imbalance gap closed. One JSON line per run is appended as it finishes; ``run``
+skips runs already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import evalcli  # noqa: E402  (tools/ beside this script)
+from tracepaths import trace_file  # noqa: E402
+
+from predictor.estimators import estimator_spec  # noqa: E402
+from predictor.tuning import replay, tune  # noqa: E402
+from router_client.admission import BalanceRouteParams  # noqa: E402
+from router_client.simulator import SimConfig, bound_share  # noqa: E402
+from router_client.traces import Trace, load_trace  # noqa: E402
+
+CELLS = [f"{t}:1.0" for t in ("mooncake", "tpl", "azure", "sharegpt", "long")]
+KEEP = ("throughput_tok_s", "imbalance_maxmin_mean", "balanced_bound_tok_s",
+        "starvation_guard_admissions", "guard_waits", "requests", "contended_steps")
+
+
+def draw(trace: str, seed: int, requests: int) -> Trace:
+    """Replicate ``seed`` of ``trace``: ``requests`` requests in arrival order."""
+    if trace in ("tpl", "long"):
+        name = "templated" if trace == "tpl" else "long"
+        return load_trace(f"synth:{name}:seed={seed}", requests=requests)
+    return load_trace(trace_file(trace)).sample(requests, seed)
+
+
+def _row(row: dict) -> dict:
+    return {**{k: row[k] for k in KEEP if k in row}, "bound_share": bound_share(row)}
+
+
+def run(args: argparse.Namespace) -> None:
+    done = set()
+    if args.json.exists():
+        for line in args.json.read_text().splitlines():
+            row = json.loads(line)
+            done.add((row["cell"], row["workers"], row["seed"]))
+    learned = estimator_spec(args.estimator).policy
+    for cell in args.cells:
+        trace_name, load_text = cell.split(":")
+        load: float | str = load_text if load_text == "backlog" else float(load_text)
+        for workers in args.workers:
+            for seed in range(1, args.seeds + 1):
+                if (cell, workers, seed) in done:
+                    continue
+                started = time.monotonic()
+                whole = draw(trace_name, seed, 2 * args.requests)
+                split = len(whole) // 2
+                config = SimConfig(workers=workers, batch=args.batch, load=load, seed=seed)
+                result = tune(whole, config, estimator=args.estimator,
+                              holdout=(len(whole) - split) / len(whole))
+                past = whole.head(split)
+                later = whole.take(np.arange(split, len(whole)))
+                base, tuned = result.evaluation[0], result.evaluation[-1]
+                default = BalanceRouteParams()
+                rows = {"br0": base, "tuned": tuned,
+                        learned: replay(later, learned, default, config, warm=past),
+                        "brh-oracle": replay(later, "brh-oracle", default, config)}
+                with args.json.open("a") as f:
+                    f.write(json.dumps({
+                        "cell": cell, "workers": workers, "seed": seed,
+                        "requests": [len(past), len(later)], "estimator": args.estimator,
+                        "recommendation": result.recommendation,
+                        "tuning": [{"setting": r["setting"], **_row(r)} for r in result.rows],
+                        "later": {name: _row(r) for name, r in rows.items()}}) + "\n")
+                print(f"{cell} G={workers} seed {seed}: {result.recommendation} "
+                      f"({time.monotonic() - started:.0f} s)", file=sys.stderr)
+
+
+def table(args: argparse.Namespace) -> None:
+    cells: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for path in args.json:
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            cells[(row["cell"], row["workers"])].append(row)
+    print("| cell | G | n | recommendations | policy | throughput x BR-0 (min..max) "
+          "| imbalance x BR-0 | gap closed (ratio of means) |")
+    print("|---|---:|---:|---|---|---|---|---|")
+    for (cell, workers), runs in sorted(cells.items()):
+        picks = ", ".join(_pick(r["recommendation"]) for r in runs)
+        names = [n for n in runs[0]["later"] if n != "br0"]
+        oracle = np.mean([_ratio(r, "brh-oracle", "imbalance_maxmin_mean") for r in runs])
+        for name in names:
+            thr = np.array([_ratio(r, name, "throughput_tok_s") for r in runs])
+            imb = np.array([_ratio(r, name, "imbalance_maxmin_mean") for r in runs])
+            closed = ("1" if name == "brh-oracle" else "n/a (oracle not below BR-0)"
+                      if oracle >= 1.0 else f"{(1.0 - imb.mean()) / (1.0 - oracle):.2f}")
+            print(f"| {cell} | {workers} | {len(runs)} | {picks} | {name} | {thr.mean():.4f} "
+                  f"({thr.min():.4f}..{thr.max():.4f}) | {imb.mean():.3f} | {closed} |")
+
+
+def _ratio(run: dict, name: str, key: str) -> float:
+    return run["later"][name][key] / run["later"]["br0"][key]
+
+
+def _pick(recommendation: dict) -> str:
+    if recommendation["policy"] == "br0":
+        return "br0"
+    beta = "G" if recommendation["beta"] is None else f"{recommendation['beta']:g}"
+    pool = " lookahead-pool" if recommendation.get("learned_short_pool") else ""
+    return f"H{recommendation['horizon']} b{beta} g{recommendation['gamma']}{pool}"
+
+
+def main() -> None:
+    ap = evalcli.parser(__doc__)
+    ap.add_argument("--cells", type=lambda s: s.split(","), default=CELLS)
+    ap.add_argument("--workers", type=lambda s: [int(g) for g in s.split(",")], default=[8])
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=10000,
+                    help="N: the past and the later traffic are N requests each")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--estimator", default="exact_match",
+                    help="the learner tuning replays and routers get (default exact_match)")
+    evalcli.dispatch(ap, run, table)
+
+
+if __name__ == "__main__":
+    main()

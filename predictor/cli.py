@@ -330,8 +330,12 @@ def _add_tune(sub) -> None:
                       "fraction, with no less throughput and no more imbalance (default "
                       "0.001)")
     tune.add_argument("--windows", type=int, default=2,
-                      help="replay the past in this many consecutive windows; BR-H is "
-                      "recommended only if it wins in each (default 2; 1: one replay)")
+                      help="replay the past in this many consecutive windows, each with the "
+                      "learner warmed on the ones before (default 2; 1: one replay): the grid "
+                      "is ranked on all but the last, where the pick must win again")
+    tune.add_argument("--no-confirm", dest="confirm", action="store_false",
+                      help="rank and judge the grid on every window (the rule until "
+                      "2026-12-07): no window kept back to confirm the pick")
     tune.add_argument("--seed", type=int, default=0)
     tune.add_argument("--json", type=Path, default=None, help="write the result here")
     tune.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -499,7 +503,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     config = SimConfig(workers=args.workers, batch=args.batch, load=args.load, seed=args.seed)
     result = tune(trace, config, estimator=args.estimator, min_gain=args.min_gain,
                   holdout=args.holdout, progress=Progress(not args.quiet),
-                  windows=args.windows)
+                  windows=args.windows, confirm=args.confirm)
     reference = next(r for r in result.rows if r["policy"] == "br0")["throughput_tok_s"]
     tuned = len(trace) - int(round(len(trace) * args.holdout))
     print(f"trace {args.trace}: tuned on the first {tuned} of {len(trace)} requests, "
@@ -514,6 +518,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     note = abtest.uncontended_note(result.rows)
     if note:
         print(note)
+    if result.confirmation:
+        first, pick = result.confirmation
+        verdict = ("confirmed" if result.recommendation["policy"] == "brh"
+                   else "not confirmed: BR-0")
+        print(f"confirmation on the last window of the past ({pick['requests']} requests): "
+              f"{pick['setting']} {pick['throughput_tok_s'] / first['throughput_tok_s']:.4f}x "
+              f"BR-0's tok/s, {pick['bound_share']:.2%} of bound against "
+              f"{first['bound_share']:.2%}, max-min {pick['imbalance_maxmin_mean']:.0f} "
+              f"against {first['imbalance_maxmin_mean']:.0f}: {verdict}")
     print("recommendation:", json.dumps(result.recommendation))
     if result.evaluation:
         base = result.evaluation[0]["throughput_tok_s"]

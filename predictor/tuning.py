@@ -104,13 +104,17 @@ class TuningResult:
     rows: list[dict]  # one per candidate, best first
     recommendation: dict
     evaluation: list[dict] = field(default_factory=list)  # on the held-out window
+    # BR-0 and the pick on the last window of the past, which did not rank (``confirm``);
+    # empty where no BR-H setting won the ranking windows or nothing was kept back
+    confirmation: list[dict] = field(default_factory=list)
 
     def as_dict(self, rest: bool = False) -> dict:
         """With ``note``: why the rows tie, when the fleet never filled (else None); ``rest``:
         it names the REST job's fields to change, not the command's flags."""
         names = ("`requests`", "`load`") if rest else ("--requests", "--load")
         return {"rows": self.rows, "recommendation": self.recommendation,
-                "evaluation": self.evaluation, "note": uncontended_note(self.rows, *names)}
+                "evaluation": self.evaluation, "confirmation": self.confirmation,
+                "note": uncontended_note(self.rows, *names)}
 
 
 def recommendation_of(candidate: Candidate, estimator: str,
@@ -198,13 +202,25 @@ def _choose(ranked: list[dict], min_gain: float) -> Candidate:
     for row in ranked:
         if row["policy"] == "br0":
             continue
-        if all(bound_share(w) >= (1.0 + min_gain) * bound_share(b)
-               and w["throughput_tok_s"] >= b["throughput_tok_s"]
-               and w["imbalance_maxmin_mean"] <= b["imbalance_maxmin_mean"]
+        if all(_beats(w, b, min_gain)
                for w, b in zip(row.get("windows", [row]), reference, strict=True)):
-            return Candidate("brh", row["horizon"], row["beta"], row["gamma"],
-                             row.get("learned_short_pool"))
+            return _candidate_of(row)
     return Candidate("br0")
+
+
+def _beats(row: dict, br0: dict, min_gain: float) -> bool:
+    """Whether ``row`` routes better than BR-0's ``br0`` on the same requests: a share of the
+    balanced bound higher by ``min_gain``, no less throughput, no more imbalance."""
+    return (bound_share(row) >= (1.0 + min_gain) * bound_share(br0)
+            and row["throughput_tok_s"] >= br0["throughput_tok_s"]
+            and row["imbalance_maxmin_mean"] <= br0["imbalance_maxmin_mean"])
+
+
+def _candidate_of(row: dict) -> Candidate:
+    if row["policy"] == "br0":
+        return Candidate("br0")
+    return Candidate("brh", row["horizon"], row["beta"], row["gamma"],
+                     row.get("learned_short_pool"))
 
 
 def _windows(past: Trace, count: int) -> list[tuple[Trace, Trace | None]]:
@@ -243,10 +259,16 @@ def tune(trace: Trace, config: SimConfig, estimator: str = "exact_match",
          grid: Sequence[Candidate] = DEFAULT_GRID, min_gain: float = 0.001,
          holdout: float = 0.0, base: BalanceRouteParams | None = None,
          settings: Settings | None = None,
-         progress: ProgressCallback | None = None, windows: int = 2) -> TuningResult:
+         progress: ProgressCallback | None = None, windows: int = 2,
+         confirm: bool = True) -> TuningResult:
     """Rank ``grid`` on ``trace`` (its earlier ``1 - holdout`` share when ``holdout`` > 0),
     replayed in ``windows`` consecutive windows (each with the learner warmed on the ones
-    before it); a BR-H setting is recommended only if it wins in every window."""
+    before it); a BR-H setting is recommended only if it wins in every window it was ranked
+    on. ``confirm`` (with two windows or more): the grid is ranked on every window but the
+    last, and the pick must win again on the last, which played no part in picking it (BR-0
+    and the pick replayed there: ``TuningResult.confirmation``); else BR-0. Without it every
+    window ranks and gates (the rule until 2026-12-07): the best of a dozen noisy replays is
+    picked partly for its luck, and its luck does not carry over to later traffic."""
     if not 0.0 <= holdout < 1.0:
         raise ParameterError("holdout", "must be in [0, 1)")
     estimator_spec(estimator)  # a clear error for an unknown name
@@ -263,12 +285,14 @@ def tune(trace: Trace, config: SimConfig, estimator: str = "exact_match",
         distinct.setdefault(candidate.params(base), candidate)
     candidates = list(distinct.values())
     parts = _windows(past, windows)
-    steps = len(candidates) * len(parts)
+    last = parts[-1] if confirm and len(parts) >= 2 else None
+    ranking = parts[:-1] if last is not None else parts
+    steps = len(candidates) * len(ranking) + (2 if last is not None else 0)
     rows = []
     for number, candidate in enumerate(candidates):
         per_window = []
-        for part, (window, warm) in enumerate(parts):
-            def report(fraction: float, done: int = number * len(parts) + part,
+        for part, (window, warm) in enumerate(ranking):
+            def report(fraction: float, done: int = number * len(ranking) + part,
                        label: str = candidate.label) -> None:
                 if progress is not None:
                     progress((done + fraction) / steps, label)
@@ -278,7 +302,21 @@ def tune(trace: Trace, config: SimConfig, estimator: str = "exact_match",
         rows.append(_combine(per_window))
     ranked = _rank(rows)
     chosen = _choose(ranked, min_gain)
-    result = TuningResult(ranked, recommendation_of(chosen, estimator, base))
+    confirmation: list[dict] = []
+    if last is not None and chosen.policy != "br0":
+        window, warm = last
+        for number, candidate in enumerate((Candidate("br0"), chosen)):
+            def report_last(fraction: float, done: int = steps - 2 + number,
+                            label: str = f"confirming {candidate.label}") -> None:
+                if progress is not None:
+                    progress((done + fraction) / steps, label)
+
+            confirmation.append(_replay(window, candidate, config, base, estimator, settings,
+                                        report_last, warm=warm))
+        if not _beats(confirmation[1], confirmation[0], min_gain):
+            chosen = Candidate("br0")
+    result = TuningResult(ranked, recommendation_of(chosen, estimator, base),
+                          confirmation=confirmation)
     if holdout > 0:
         later = trace.take(np.arange(split, len(trace)))  # replays shift times to 0
         result.evaluation = [

@@ -52,4 +52,4 @@ def test_tuned_eval_judges_the_pick_on_the_later_half_only(tmp_path):
     assert rows["tuned"][5].startswith(f"{ratio:.4f} (")
     imb = (line["later"]["brh-oracle"]["imbalance_maxmin_mean"]
            / line["later"]["br0"]["imbalance_maxmin_mean"])
-    assert rows["brh-oracle"][6] == f"{imb:.3f}"
+    assert rows["brh-oracle"][7] == f"{imb:.3f}"

@@ -7,19 +7,21 @@
 For each cell (trace:load), G and replicate k: 2N requests in arrival order (real traces: a
 sample drawn with seed k, kept in order, ShareGPT with Poisson arrivals seeded by k;
 synth:long and synth:templated: the trace synthesized with ``seed=k``), the first N are the
-past and the last N the traffic the recommendation is judged on. ``balanceroute tune`` is run
-on the past (its grid in two windows, the learner the routers would get, default
-``exact_match``), and on the later N, with every learner warmed on the past as a running
-service's would be, four replays: BR-0, tuning's recommendation (BR-0 again when tuning says
-so), learned BR-H at its defaults (what a router runs without tuning) and BR-H with true
-lengths (``brh-oracle``, the gap's far end). Tuning sees only the past (the split is in
-arrival order and the learners of the later replays know only the past's outcomes:
-``test_tuning_uses_only_the_past``).
+past and the last N the traffic the recommendation is judged on. ``balanceroute tune`` runs
+on the past with the learner the routers would get (default ``exact_match``): its grid ranked
+on the first of two windows and the pick confirmed on the second (with ``--no-confirm``,
+ranked and gated on both, the rule until 2026-12-07). Then four replays of the later N, every
+learner warmed on the past as a running service's would be: BR-0, tuning's recommendation
+(BR-0 again where tuning says so), learned BR-H at its defaults (what a router runs without
+tuning) and BR-H with true lengths (``brh-oracle``, the gap's far end). Tuning sees only the
+past (the split is in arrival order and the later replays' learners know only the past's
+outcomes: ``test_tuning_uses_only_the_past``).
 
-``table`` reports per cell and G the recommendation and, for the tuned and the untuned learned
-policy, the throughput and the imbalance as ratios to BR-0 on the later N and the share of the
-BR-0-to-oracle imbalance gap closed. One JSON line per run is appended as it finishes; ``run``
-skips runs already there.
+``table`` reports per cell and G the recommendations and, for the tuned policy, the untuned
+learned one and the oracle, as ratios to BR-0 on the later N: throughput (``tok/s``), the share
+of the balanced bound (which the work the window held does not move), the imbalance, and the
+share of the BR-0-to-oracle imbalance gap closed. One JSON line per run is appended as it
+finishes; ``run`` skips runs already there.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> None:
                 split = len(whole) // 2
                 config = SimConfig(workers=workers, batch=args.batch, load=load, seed=seed)
                 result = tune(whole, config, estimator=args.estimator,
-                              holdout=(len(whole) - split) / len(whole))
+                              holdout=(len(whole) - split) / len(whole), confirm=args.confirm)
                 past = whole.head(split)
                 later = whole.take(np.arange(split, len(whole)))
                 base, tuned = result.evaluation[0], result.evaluation[-1]
@@ -92,7 +94,9 @@ def run(args: argparse.Namespace) -> None:
                     f.write(json.dumps({
                         "cell": cell, "workers": workers, "seed": seed,
                         "requests": [len(past), len(later)], "estimator": args.estimator,
-                        "recommendation": result.recommendation,
+                        "confirm": args.confirm, "recommendation": result.recommendation,
+                        "confirmation": [{"setting": r["setting"], **_row(r)}
+                                         for r in result.confirmation],
                         "tuning": [{"setting": r["setting"], **_row(r)} for r in result.rows],
                         "later": {name: _row(r) for name, r in rows.items()}}) + "\n")
                 print(f"{cell} G={workers} seed {seed}: {result.recommendation} "
@@ -106,19 +110,22 @@ def table(args: argparse.Namespace) -> None:
             row = json.loads(line)
             cells[(row["cell"], row["workers"])].append(row)
     print("| cell | G | n | recommendations | policy | throughput x BR-0 (min..max) "
-          "| imbalance x BR-0 | gap closed (ratio of means) |")
-    print("|---|---:|---:|---|---|---|---|---|")
+          "| share of the bound x BR-0 (min..max) | imbalance x BR-0 "
+          "| gap closed (ratio of means) |")
+    print("|---|---:|---:|---|---|---|---|---|---|")
     for (cell, workers), runs in sorted(cells.items()):
         picks = ", ".join(_pick(r["recommendation"]) for r in runs)
         names = [n for n in runs[0]["later"] if n != "br0"]
         oracle = np.mean([_ratio(r, "brh-oracle", "imbalance_maxmin_mean") for r in runs])
         for name in names:
             thr = np.array([_ratio(r, name, "throughput_tok_s") for r in runs])
+            share = np.array([_ratio(r, name, "bound_share") for r in runs])
             imb = np.array([_ratio(r, name, "imbalance_maxmin_mean") for r in runs])
             closed = ("1" if name == "brh-oracle" else "n/a (oracle not below BR-0)"
                       if oracle >= 1.0 else f"{(1.0 - imb.mean()) / (1.0 - oracle):.2f}")
             print(f"| {cell} | {workers} | {len(runs)} | {picks} | {name} | {thr.mean():.4f} "
-                  f"({thr.min():.4f}..{thr.max():.4f}) | {imb.mean():.3f} | {closed} |")
+                  f"({thr.min():.4f}..{thr.max():.4f}) | {share.mean():.4f} "
+                  f"({share.min():.4f}..{share.max():.4f}) | {imb.mean():.3f} | {closed} |")
 
 
 def _ratio(run: dict, name: str, key: str) -> float:
@@ -141,6 +148,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10000,
                     help="N: the past and the later traffic are N requests each")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--no-confirm", dest="confirm", action="store_false",
+                    help="tune by the rule until 2026-12-07 (every window ranks and gates)")
     ap.add_argument("--estimator", default="exact_match",
                     help="the learner tuning replays and routers get (default exact_match)")
     evalcli.dispatch(ap, run, table)

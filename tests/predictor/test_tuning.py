@@ -12,7 +12,15 @@ from fastapi.testclient import TestClient
 from predictor.app import create_app
 from predictor.cli import main
 from predictor.settings import Settings
-from predictor.tuning import DEFAULT_GRID, Candidate, _choose, parse_grid, recommendation_of, tune
+from predictor.tuning import (
+    DEFAULT_GRID,
+    Candidate,
+    _beats,
+    _choose,
+    parse_grid,
+    recommendation_of,
+    tune,
+)
 from router_client.admission import BalanceRouteParams
 from router_client.client import RouterClient, RouterConfig
 from router_client.errors import ParameterError
@@ -119,7 +127,7 @@ def test_a_gain_from_the_work_left_after_the_window_is_not_recommended():
 def test_tuning_replays_the_past_in_windows_each_warmed_on_the_ones_before():
     trace = synthesize("synth:templated:n=1200,seed=4")
     result = tune(trace, SimConfig(workers=2, batch=8, load="backlog"), grid=SMALL_GRID,
-                  windows=2)
+                  windows=2, confirm=False)
     for row in result.rows:
         assert [w["requests"] for w in row["windows"]] == [600, 600]
         assert row["requests"] == 1200
@@ -132,6 +140,34 @@ def test_tuning_replays_the_past_in_windows_each_warmed_on_the_ones_before():
     single = tune(trace.head(400), SimConfig(workers=2, batch=8, load="backlog"),
                   grid=SMALL_GRID, windows=2)  # too few requests for two windows
     assert all("windows" not in row for row in single.rows)
+
+
+def test_the_pick_is_confirmed_on_a_window_that_did_not_rank_it():
+    """With two windows the grid is ranked on the first alone (the same rows as tuning on it
+    in one window) and its pick recommended only if it wins again on the second: BR-0 and the
+    pick replayed there, on requests that played no part in picking it."""
+    grid = (Candidate("br0"), Candidate("brh", 20, 8.0, 0.9), Candidate("brh", 80, None, 0.86))
+    config = SimConfig(workers=4, batch=8, load="backlog")
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k != "sim_wall_s"} for r in rows]
+
+    for spec, confirmed in (("synth:long:n=1600,seed=1", True),
+                            ("synth:templated:n=1600,seed=1", False)):
+        trace = synthesize(spec)
+        result = tune(trace, config, grid=grid)
+        alone = tune(trace.head(800), config, grid=grid, windows=1)
+        assert strip(result.rows) == strip(alone.rows)  # ranked on the first window only
+        assert alone.recommendation["policy"] == "brh"  # the first window picks BR-H
+        base, pick = result.confirmation
+        assert (base["policy"], base["requests"], pick["requests"]) == ("br0", 800, 800)
+        assert pick["horizon"] == alone.recommendation["horizon"]
+        assert _beats(pick, base, 0.001) is confirmed
+        assert result.recommendation == (alone.recommendation if confirmed
+                                         else {"policy": "br0"})
+    # the rule until 2026-12-07 ranks and gates on both windows, with nothing to confirm
+    both = tune(trace, config, grid=grid, confirm=False)
+    assert both.confirmation == [] and all(len(r["windows"]) == 2 for r in both.rows)
 
 
 def test_tune_command(tmp_path, capsys):
@@ -184,6 +220,8 @@ def test_rest_tuning_publishes_its_recommendation(tmp_path):
             {"horizon": 80, "gamma": "turnover", "learned_short_pool": "yes"}]})
         assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == [
             "body", "grid", 0, "learned_short_pool"]
+        bad = client.post("/v1/tunings", json={"confirm": "yes"})
+        assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "confirm"]
         started = client.post("/v1/tunings", json={
             "workers": [2], "batch": 8, "load": "backlog", "requests": 250,
             "grid": [{"horizon": 20, "beta": 8, "gamma": 0.9, "learned_short_pool": None}],
@@ -193,6 +231,7 @@ def test_rest_tuning_publishes_its_recommendation(tmp_path):
         assert job["status"] == "done", job["error"]
         assert job["results"]["recommendation"] == {"policy": "br0"}
         assert [r["requests"] for r in job["results"]["rows"]] == [250, 250]
+        assert job["results"]["confirmation"] == []  # one window: none kept back
         # the null rule is the service's, and the row says which it replayed
         assert [r["learned_short_pool"] for r in job["results"]["rows"]
                 if r["policy"] != "br0"] == [BalanceRouteParams().learned_short_pool]

@@ -45,11 +45,29 @@ def test_tuned_eval_judges_the_pick_on_the_later_half_only(tmp_path):
     assert len(out.read_text().splitlines()) == 1  # resumed: nothing run twice
     table = subprocess.run([*TOOL, "table", "--json", str(out)], check=True,
                            capture_output=True, text=True, cwd=ROOT).stdout
-    rows = {r.split(" | ")[4]: r.split(" | ") for r in table.splitlines()
+    rows = {r.split(" | ")[2]: r.split(" | ") for r in table.splitlines()
             if r.startswith("| tpl")}
     assert set(rows) == {"tuned", "brh-exactmatch", "brh-oracle"}
     ratio = line["later"]["tuned"]["throughput_tok_s"] / line["later"]["br0"]["throughput_tok_s"]
     assert rows["tuned"][5].startswith(f"{ratio:.4f} (")
+    assert line["confirm"] is True
+
+    # the same draw tuned by the rule until 2026-12-07 pools with it: one draw, both picks
+    old = tmp_path / "old.jsonl"
+    subprocess.run([*TOOL, "run", *args[:1], str(old), *args[2:], "--no-confirm"],
+                   check=True, capture_output=True, cwd=ROOT)
+    (before,) = [json.loads(x) for x in old.read_text().splitlines()]
+    assert before["confirm"] is False and before["confirmation"] == []
+    assert before["later"]["br0"] == line["later"]["br0"]  # the rule moves only the pick
+    table = subprocess.run([*TOOL, "table", "--json", str(out), str(old)], check=True,
+                           capture_output=True, text=True, cwd=ROOT).stdout
+    rows = {r.split(" | ")[2]: r.split(" | ") for r in table.splitlines()
+            if r.startswith("| tpl")}
+    assert set(rows) == {"tuned", "tuned, every window", "brh-exactmatch", "brh-oracle"}
+    assert all(r[3] == "1" for r in rows.values())  # the draw counts once
+    ratio = (before["later"]["tuned"]["throughput_tok_s"]
+             / before["later"]["br0"]["throughput_tok_s"])
+    assert rows["tuned, every window"][5].startswith(f"{ratio:.4f} (")
     imb = (line["later"]["brh-oracle"]["imbalance_maxmin_mean"]
            / line["later"]["br0"]["imbalance_maxmin_mean"])
     assert rows["brh-oracle"][7] == f"{imb:.3f}"

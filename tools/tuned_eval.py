@@ -104,26 +104,41 @@ def run(args: argparse.Namespace) -> None:
 
 
 def table(args: argparse.Namespace) -> None:
-    cells: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    """Runs of one draw under both tuning rules (files pooled) share its replays of BR-0, the
+    default and the oracle, which do not depend on the rule: each (cell, G, draw) counts once,
+    its pick as ``tuned`` (``tuned, every window`` under ``--no-confirm``; rows without the
+    ``confirm`` field predate the option and are that rule)."""
+    draws: dict[tuple[str, int, int], dict] = {}
     for path in args.json:
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            cells[(row["cell"], row["workers"])].append(row)
-    print("| cell | G | n | recommendations | policy | throughput x BR-0 (min..max) "
+            name = "tuned" if row.get("confirm", False) else "tuned, every window"
+            merged = draws.setdefault((row["cell"], row["workers"], row["seed"]),
+                                      {"later": {}, "picks": {}})
+            later = dict(row["later"])
+            merged["later"].update({**later, name: later.pop("tuned")})
+            merged["picks"][name] = _pick(row["recommendation"])
+    cells: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for (cell, workers, _), merged in sorted(draws.items()):
+        cells[(cell, workers)].append(merged)
+    print("| cell | G | policy | n | picks | throughput x BR-0 (min..max) "
           "| share of the bound x BR-0 (min..max) | imbalance x BR-0 "
           "| gap closed (ratio of means) |")
-    print("|---|---:|---:|---|---|---|---|---|---|")
+    print("|---|---:|---|---:|---|---|---|---|---|")
+    order = ("tuned", "tuned, every window", "brh-oracle")
     for (cell, workers), runs in sorted(cells.items()):
-        picks = ", ".join(_pick(r["recommendation"]) for r in runs)
-        names = [n for n in runs[0]["later"] if n != "br0"]
+        names = sorted({n for r in runs for n in r["later"] if n != "br0"},
+                       key=lambda n: (order.index(n) if n in order else 2, n))
         oracle = np.mean([_ratio(r, "brh-oracle", "imbalance_maxmin_mean") for r in runs])
         for name in names:
-            thr = np.array([_ratio(r, name, "throughput_tok_s") for r in runs])
-            share = np.array([_ratio(r, name, "bound_share") for r in runs])
-            imb = np.array([_ratio(r, name, "imbalance_maxmin_mean") for r in runs])
+            have = [r for r in runs if name in r["later"]]
+            picks = ", ".join(r["picks"][name] for r in have) if name in order[:2] else ""
+            thr = np.array([_ratio(r, name, "throughput_tok_s") for r in have])
+            share = np.array([_ratio(r, name, "bound_share") for r in have])
+            imb = np.array([_ratio(r, name, "imbalance_maxmin_mean") for r in have])
             closed = ("1" if name == "brh-oracle" else "n/a (oracle not below BR-0)"
                       if oracle >= 1.0 else f"{(1.0 - imb.mean()) / (1.0 - oracle):.2f}")
-            print(f"| {cell} | {workers} | {len(runs)} | {picks} | {name} | {thr.mean():.4f} "
+            print(f"| {cell} | {workers} | {name} | {len(have)} | {picks} | {thr.mean():.4f} "
                   f"({thr.min():.4f}..{thr.max():.4f}) | {share.mean():.4f} "
                   f"({share.min():.4f}..{share.max():.4f}) | {imb.mean():.3f} | {closed} |")
 

@@ -116,7 +116,7 @@ def run_tuning(request: dict, trace: Trace, progress) -> dict:
     config = _config(request)
     result = tune(trace, replace(config, workers=request["workers"][0]),
                   estimator=request["estimator"], grid=grid, min_gain=request["min_gain"],
-                  progress=progress, confirm=request.get("confirm", True))
+                  progress=progress, confirm=request.get("confirm", False))
     return result.as_dict(rest=True)
 
 

@@ -331,11 +331,12 @@ def _add_tune(sub) -> None:
                       "0.001)")
     tune.add_argument("--windows", type=int, default=2,
                       help="replay the past in this many consecutive windows, each with the "
-                      "learner warmed on the ones before (default 2; 1: one replay): the grid "
-                      "is ranked on all but the last, where the pick must win again")
-    tune.add_argument("--no-confirm", dest="confirm", action="store_false",
-                      help="rank and judge the grid on every window (the rule until "
-                      "2026-12-07): no window kept back to confirm the pick")
+                      "learner warmed on the ones before (default 2; 1: one replay); BR-H "
+                      "is recommended only if it wins in each")
+    tune.add_argument("--confirm", action="store_true",
+                      help="rank the grid on all windows but the last and recommend its pick "
+                      "only if it wins again on the last, which played no part in picking it "
+                      "(an option: README, 'Tuning judged on later traffic')")
     tune.add_argument("--seed", type=int, default=0)
     tune.add_argument("--json", type=Path, default=None, help="write the result here")
     tune.add_argument("--quiet", action="store_true", help="no progress on stderr")

@@ -634,10 +634,9 @@ class TuningIn(ReplayIn):
     min_gain: Annotated[float, Field(ge=0, le=0.5)] = Field(
         0.001, description="BR-H is recommended only if it beats BR-0's throughput by this")
     confirm: Annotated[bool, Field(strict=True)] = Field(
-        True, description="rank the grid on the earlier of two windows of the replayed "
+        False, description="rank the grid on the earlier of two windows of the replayed "
         "traffic and recommend its pick only if it wins again on the later window, which "
-        "played no part in picking it; false: rank and judge on both windows (the rule until "
-        "2026-12-07)")
+        "played no part in picking it (an option; default: rank and judge on both windows)")
 
     @field_validator("estimator")
     @classmethod

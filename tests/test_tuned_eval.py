@@ -31,7 +31,7 @@ def test_tuned_eval_judges_the_pick_on_the_later_half_only(tmp_path):
     # the same split by hand: tuning on the first 300 only, the four replays on the last 300
     whole = load_trace("synth:templated:seed=1", requests=600)
     config = SimConfig(workers=2, batch=8, load="backlog", seed=1)
-    result = tune(whole, config, holdout=0.5)
+    result = tune(whole, config, holdout=0.5)  # the default rule, the tool's
     assert line["recommendation"] == result.recommendation
     assert [r["setting"] for r in line["tuning"]] == [r["setting"] for r in result.rows]
     later, past = whole.take(np.arange(300, 600)), whole.head(300)
@@ -50,24 +50,24 @@ def test_tuned_eval_judges_the_pick_on_the_later_half_only(tmp_path):
     assert set(rows) == {"tuned", "brh-exactmatch", "brh-oracle"}
     ratio = line["later"]["tuned"]["throughput_tok_s"] / line["later"]["br0"]["throughput_tok_s"]
     assert rows["tuned"][5].startswith(f"{ratio:.4f} (")
-    assert line["confirm"] is True
+    assert line["confirm"] is False
 
-    # the same draw tuned by the rule until 2026-12-07 pools with it: one draw, both picks
-    old = tmp_path / "old.jsonl"
-    subprocess.run([*TOOL, "run", *args[:1], str(old), *args[2:], "--no-confirm"],
+    # the same draw tuned with the pick confirmed pools with it: one draw, both picks
+    other = tmp_path / "confirmed.jsonl"
+    subprocess.run([*TOOL, "run", *args[:1], str(other), *args[2:], "--confirm"],
                    check=True, capture_output=True, cwd=ROOT)
-    (before,) = [json.loads(x) for x in old.read_text().splitlines()]
-    assert before["confirm"] is False and before["confirmation"] == []
+    (before,) = [json.loads(x) for x in other.read_text().splitlines()]
+    assert before["confirm"] is True and before["confirmation"] == []  # one window: none
     assert before["later"]["br0"] == line["later"]["br0"]  # the rule moves only the pick
-    table = subprocess.run([*TOOL, "table", "--json", str(out), str(old)], check=True,
+    table = subprocess.run([*TOOL, "table", "--json", str(out), str(other)], check=True,
                            capture_output=True, text=True, cwd=ROOT).stdout
     rows = {r.split(" | ")[2]: r.split(" | ") for r in table.splitlines()
             if r.startswith("| tpl")}
-    assert set(rows) == {"tuned", "tuned, every window", "brh-exactmatch", "brh-oracle"}
+    assert set(rows) == {"tuned", "tuned, confirmed", "brh-exactmatch", "brh-oracle"}
     assert all(r[3] == "1" for r in rows.values())  # the draw counts once
     ratio = (before["later"]["tuned"]["throughput_tok_s"]
              / before["later"]["br0"]["throughput_tok_s"])
-    assert rows["tuned, every window"][5].startswith(f"{ratio:.4f} (")
+    assert rows["tuned, confirmed"][5].startswith(f"{ratio:.4f} (")
     imb = (line["later"]["brh-oracle"]["imbalance_maxmin_mean"]
            / line["later"]["br0"]["imbalance_maxmin_mean"])
     assert rows["brh-oracle"][7] == f"{imb:.3f}"

@@ -9,8 +9,8 @@ sample drawn with seed k, kept in order, ShareGPT with Poisson arrivals seeded b
 synth:long and synth:templated: the trace synthesized with ``seed=k``), the first N are the
 past and the last N the traffic the recommendation is judged on. ``balanceroute tune`` runs
 on the past with the learner the routers would get (default ``exact_match``): its grid ranked
-on the first of two windows and the pick confirmed on the second (with ``--no-confirm``,
-ranked and gated on both, the rule until 2026-12-07). Then four replays of the later N, every
+and gated on two windows (with ``--confirm``, ranked on the first and the pick confirmed on
+the second, an option). Then four replays of the later N, every
 learner warmed on the past as a running service's would be: BR-0, tuning's recommendation
 (BR-0 again where tuning says so), learned BR-H at its defaults (what a router runs without
 tuning) and BR-H with true lengths (``brh-oracle``, the gap's far end). Tuning sees only the
@@ -106,17 +106,18 @@ def run(args: argparse.Namespace) -> None:
 def table(args: argparse.Namespace) -> None:
     """Runs of one draw under both tuning rules (files pooled) share its replays of BR-0, the
     default and the oracle, which do not depend on the rule: each (cell, G, draw) counts once,
-    its pick as ``tuned`` (``tuned, every window`` under ``--no-confirm``; rows without the
-    ``confirm`` field predate the option and are that rule)."""
+    its pick as ``tuned`` (``tuned, confirmed`` under ``--confirm``; rows without the
+    ``confirm`` field predate the option and are the default rule)."""
     draws: dict[tuple[str, int, int], dict] = {}
     for path in args.json:
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            name = "tuned" if row.get("confirm", False) else "tuned, every window"
+            name = "tuned, confirmed" if row.get("confirm", False) else "tuned"
             merged = draws.setdefault((row["cell"], row["workers"], row["seed"]),
                                       {"later": {}, "picks": {}})
             later = dict(row["later"])
-            merged["later"].update({**later, name: later.pop("tuned")})
+            later[name] = later.pop("tuned")
+            merged["later"].update(later)
             merged["picks"][name] = _pick(row["recommendation"])
     cells: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for (cell, workers, _), merged in sorted(draws.items()):
@@ -125,7 +126,7 @@ def table(args: argparse.Namespace) -> None:
           "| share of the bound x BR-0 (min..max) | imbalance x BR-0 "
           "| gap closed (ratio of means) |")
     print("|---|---:|---|---:|---|---|---|---|---|")
-    order = ("tuned", "tuned, every window", "brh-oracle")
+    order = ("tuned", "tuned, confirmed", "brh-oracle")
     for (cell, workers), runs in sorted(cells.items()):
         names = sorted({n for r in runs for n in r["later"] if n != "br0"},
                        key=lambda n: (order.index(n) if n in order else 2, n))
@@ -163,8 +164,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10000,
                     help="N: the past and the later traffic are N requests each")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--no-confirm", dest="confirm", action="store_false",
-                    help="tune by the rule until 2026-12-07 (every window ranks and gates)")
+    ap.add_argument("--confirm", action="store_true",
+                    help="tune with the pick confirmed on a window that did not rank it")
     ap.add_argument("--estimator", default="exact_match",
                     help="the learner tuning replays and routers get (default exact_match)")
     evalcli.dispatch(ap, run, table)

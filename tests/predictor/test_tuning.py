@@ -127,7 +127,7 @@ def test_a_gain_from_the_work_left_after_the_window_is_not_recommended():
 def test_tuning_replays_the_past_in_windows_each_warmed_on_the_ones_before():
     trace = synthesize("synth:templated:n=1200,seed=4")
     result = tune(trace, SimConfig(workers=2, batch=8, load="backlog"), grid=SMALL_GRID,
-                  windows=2, confirm=False)
+                  windows=2)
     for row in result.rows:
         assert [w["requests"] for w in row["windows"]] == [600, 600]
         assert row["requests"] == 1200
@@ -143,9 +143,9 @@ def test_tuning_replays_the_past_in_windows_each_warmed_on_the_ones_before():
 
 
 def test_the_pick_is_confirmed_on_a_window_that_did_not_rank_it():
-    """With two windows the grid is ranked on the first alone (the same rows as tuning on it
-    in one window) and its pick recommended only if it wins again on the second: BR-0 and the
-    pick replayed there, on requests that played no part in picking it."""
+    """``confirm``: with two windows the grid is ranked on the first alone (the same rows as
+    tuning on it in one window) and its pick recommended only if it wins again on the second:
+    BR-0 and the pick replayed there, on requests that played no part in picking it."""
     grid = (Candidate("br0"), Candidate("brh", 20, 8.0, 0.9), Candidate("brh", 80, None, 0.86))
     config = SimConfig(workers=4, batch=8, load="backlog")
 
@@ -155,7 +155,7 @@ def test_the_pick_is_confirmed_on_a_window_that_did_not_rank_it():
     for spec, confirmed in (("synth:long:n=1600,seed=1", True),
                             ("synth:templated:n=1600,seed=1", False)):
         trace = synthesize(spec)
-        result = tune(trace, config, grid=grid)
+        result = tune(trace, config, grid=grid, confirm=True)
         alone = tune(trace.head(800), config, grid=grid, windows=1)
         assert strip(result.rows) == strip(alone.rows)  # ranked on the first window only
         assert alone.recommendation["policy"] == "brh"  # the first window picks BR-H
@@ -165,8 +165,8 @@ def test_the_pick_is_confirmed_on_a_window_that_did_not_rank_it():
         assert _beats(pick, base, 0.001) is confirmed
         assert result.recommendation == (alone.recommendation if confirmed
                                          else {"policy": "br0"})
-    # the rule until 2026-12-07 ranks and gates on both windows, with nothing to confirm
-    both = tune(trace, config, grid=grid, confirm=False)
+    # the default ranks and gates on both windows, with nothing to confirm
+    both = tune(trace, config, grid=grid)
     assert both.confirmation == [] and all(len(r["windows"]) == 2 for r in both.rows)
 
 

@@ -269,8 +269,8 @@ def tune(trace: Trace, config: SimConfig, estimator: str = "exact_match",
     the last, which played no part in picking it (BR-0 and the pick replayed there:
     ``TuningResult.confirmation``); else BR-0. It answers the best of a dozen noisy replays
     being picked partly for its luck, but ranks on less of the past: over 25 draws of later
-    traffic it lost as often as the default rule and gained less (README, "Tuning judged on
-    later traffic")."""
+    traffic it lost as often as the default rule by the share, and gained less (README,
+    "Tuning judged on later traffic")."""
     if not 0.0 <= holdout < 1.0:
         raise ParameterError("holdout", "must be in [0, 1)")
     estimator_spec(estimator)  # a clear error for an unknown name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -71,3 +72,50 @@ def test_tuned_eval_judges_the_pick_on_the_later_half_only(tmp_path):
     imb = (line["later"]["brh-oracle"]["imbalance_maxmin_mean"]
            / line["later"]["br0"]["imbalance_maxmin_mean"])
     assert rows["brh-oracle"][7] == f"{imb:.3f}"
+
+
+def test_runs_of_other_sizes_stay_apart_and_a_draw_must_agree_with_itself(tmp_path):
+    """The table pools a draw's runs only when they replayed the same halves: runs of another
+    N are another draw (their own rows), and two runs of one draw whose shared replays differ
+    are refused, naming the file and line."""
+    small, large = tmp_path / "small.jsonl", tmp_path / "large.jsonl"
+    base = ["--cells", "tpl:backlog", "--workers", "2", "--seeds", "1", "--batch", "8"]
+    for out, n in ((small, "200"), (large, "300")):
+        subprocess.run([*TOOL, "run", "--json", str(out), *base, "--requests", n],
+                       check=True, capture_output=True, cwd=ROOT)
+    table = subprocess.run([*TOOL, "table", "--json", str(small), str(large)], check=True,
+                           capture_output=True, text=True, cwd=ROOT).stdout
+    cells = {r.split(" | ")[0] for r in table.splitlines() if r.startswith("| tpl")}
+    assert cells == {"| tpl:backlog (halves of 200)", "| tpl:backlog (halves of 300)"}
+    (row,) = [json.loads(x) for x in small.read_text().splitlines()]
+    row["later"]["br0"]["throughput_tok_s"] += 1.0  # the same draw, another BR-0 replay
+    row["confirm"] = True
+    forged = tmp_path / "forged.jsonl"
+    forged.write_text(json.dumps(row) + "\n")
+    failed = subprocess.run([*TOOL, "table", "--json", str(small), str(forged)],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert failed.returncode != 0 and f"{forged}:1: br0" in failed.stderr
+
+
+def test_the_tool_tunes_by_the_rule_asked(tmp_path, monkeypatch):
+    """--confirm reaches tune (a spy on the real function), and a run of the other rule on
+    the same draw is not skipped as done."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import tuned_eval
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    seen = []
+
+    def spy(*a, **k):
+        seen.append(k["confirm"])
+        return tune(*a, **k)
+
+    monkeypatch.setattr(tuned_eval, "tune", spy)
+    out = tmp_path / "rows.jsonl"
+    for confirm in (True, False, True):
+        tuned_eval.run(argparse.Namespace(
+            json=out, cells=["tpl:backlog"], workers=[2], seeds=1, requests=200, batch=8,
+            estimator="exact_match", confirm=confirm))
+    assert seen == [True, False]  # the third run was done already
+    assert [json.loads(x)["confirm"] for x in out.read_text().splitlines()] == [True, False]

@@ -41,7 +41,7 @@ import evalcli  # noqa: E402  (tools/ beside this script)
 from tracepaths import trace_file  # noqa: E402
 
 from predictor.estimators import estimator_spec  # noqa: E402
-from predictor.tuning import replay, tune  # noqa: E402
+from predictor.tuning import Candidate, replay, tune  # noqa: E402
 from router_client.admission import BalanceRouteParams  # noqa: E402
 from router_client.simulator import SimConfig, bound_share  # noqa: E402
 from router_client.traces import Trace, load_trace  # noqa: E402
@@ -68,14 +68,14 @@ def run(args: argparse.Namespace) -> None:
     if args.json.exists():
         for line in args.json.read_text().splitlines():
             row = json.loads(line)
-            done.add((row["cell"], row["workers"], row["seed"]))
+            done.add(_run_key(row))
     learned = estimator_spec(args.estimator).policy
     for cell in args.cells:
         trace_name, load_text = cell.split(":")
         load: float | str = load_text if load_text == "backlog" else float(load_text)
         for workers in args.workers:
             for seed in range(1, args.seeds + 1):
-                if (cell, workers, seed) in done:
+                if (cell, workers, seed, args.requests, args.estimator, args.confirm) in done:
                     continue
                 started = time.monotonic()
                 whole = draw(trace_name, seed, 2 * args.requests)
@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> None:
                 with args.json.open("a") as f:
                     f.write(json.dumps({
                         "cell": cell, "workers": workers, "seed": seed,
+                        "requests_asked": args.requests,
                         "requests": [len(past), len(later)], "estimator": args.estimator,
                         "confirm": args.confirm, "recommendation": result.recommendation,
                         "confirmation": [{"setting": r["setting"], **_row(r)}
@@ -108,26 +109,37 @@ def table(args: argparse.Namespace) -> None:
     default and the oracle, which do not depend on the rule: each (cell, G, draw) counts once,
     its pick as ``tuned`` (``tuned, confirmed`` under ``--confirm``; rows without the
     ``confirm`` field predate the option and are the default rule)."""
-    draws: dict[tuple[str, int, int], dict] = {}
+    draws: dict[tuple, dict] = {}
     for path in args.json:
-        for line in path.read_text().splitlines():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
             row = json.loads(line)
             name = "tuned, confirmed" if row.get("confirm", False) else "tuned"
-            merged = draws.setdefault((row["cell"], row["workers"], row["seed"]),
-                                      {"later": {}, "picks": {}})
+            # a draw is its cell, G, seed, halves and learner: runs of other sizes are others
+            key = (row["cell"], row["workers"], row["seed"], tuple(row["requests"]),
+                   row.get("estimator", "exact_match"))
+            merged = draws.setdefault(key, {"later": {}, "picks": {}})
             later = dict(row["later"])
             later[name] = later.pop("tuned")
+            for shared, figures in later.items():
+                if shared in merged["later"] and merged["later"][shared] != figures:
+                    raise SystemExit(f"{path}:{number}: {shared} on {key} differs from the "
+                                     "same draw's replay in another run")
             merged["later"].update(later)
             merged["picks"][name] = _pick(row["recommendation"])
-    cells: dict[tuple[str, int], list[dict]] = defaultdict(list)
-    for (cell, workers, _), merged in sorted(draws.items()):
-        cells[(cell, workers)].append(merged)
+    cells: dict[tuple[str, int, int], list[dict]] = defaultdict(list)
+    for key, merged in sorted(draws.items()):
+        cells[(key[0], key[1], key[3][0])].append(merged)  # draws of one size pool
+    sizes = defaultdict(set)
+    for cell, workers, half in cells:
+        sizes[(cell, workers)].add(half)
     print("| cell | G | policy | n | picks | throughput x BR-0 (min..max) "
           "| share of the bound x BR-0 (min..max) | imbalance x BR-0 "
           "| gap closed (ratio of means) |")
     print("|---|---:|---|---:|---|---|---|---|---|")
     order = ("tuned", "tuned, confirmed", "brh-oracle")
-    for (cell, workers), runs in sorted(cells.items()):
+    for (name_of_cell, workers, half), runs in sorted(cells.items()):
+        cell = (name_of_cell if len(sizes[(name_of_cell, workers)]) == 1
+                else f"{name_of_cell} (halves of {half})")
         names = sorted({n for r in runs for n in r["later"] if n != "br0"},
                        key=lambda n: (order.index(n) if n in order else 2, n))
         oracle = np.mean([_ratio(r, "brh-oracle", "imbalance_maxmin_mean") for r in runs])
@@ -149,11 +161,19 @@ def _ratio(run: dict, name: str, key: str) -> float:
 
 
 def _pick(recommendation: dict) -> str:
+    """A recommendation as tuning labels its setting (``br0``, ``brh H=80 beta=G ...``)."""
     if recommendation["policy"] == "br0":
         return "br0"
-    beta = "G" if recommendation["beta"] is None else f"{recommendation['beta']:g}"
-    pool = " lookahead-pool" if recommendation.get("learned_short_pool") else ""
-    return f"H{recommendation['horizon']} b{beta} g{recommendation['gamma']}{pool}"
+    return Candidate("brh", recommendation["horizon"], recommendation["beta"],
+                     recommendation["gamma"], recommendation.get("learned_short_pool")).label
+
+
+def _run_key(row: dict) -> tuple:
+    """What ``run`` resumes by: a row's cell, G, seed, N asked, learner and rule (rows from
+    before ``requests_asked`` was kept: the first half's size)."""
+    return (row["cell"], row["workers"], row["seed"],
+            row.get("requests_asked", row["requests"][0]), row.get("estimator", "exact_match"),
+            row.get("confirm", False))
 
 
 def main() -> None:

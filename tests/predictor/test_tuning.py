@@ -16,9 +16,11 @@ from predictor.tuning import (
     DEFAULT_GRID,
     Candidate,
     _beats,
+    _candidate_of,
     _choose,
     parse_grid,
     recommendation_of,
+    replay,
     tune,
 )
 from router_client.admission import BalanceRouteParams
@@ -163,6 +165,11 @@ def test_the_pick_is_confirmed_on_a_window_that_did_not_rank_it():
         assert (base["policy"], base["requests"], pick["requests"]) == ("br0", 800, 800)
         assert pick["horizon"] == alone.recommendation["horizon"]
         assert _beats(pick, base, 0.001) is confirmed
+        # the pick replayed on the second window with the learner warmed on the first
+        again = replay(trace.take(np.arange(800, 1600)), "brh-exactmatch",
+                       _candidate_of(pick).params(BalanceRouteParams()), config,
+                       warm=trace.head(800))
+        assert again["throughput_tok_s"] == pick["throughput_tok_s"]
         assert result.recommendation == (alone.recommendation if confirmed
                                          else {"policy": "br0"})
     # the default ranks and gates on both windows, with nothing to confirm
@@ -244,6 +251,36 @@ def test_rest_tuning_publishes_its_recommendation(tmp_path):
         assert client.get(f"/v1/ab-comparisons/{job['id']}").status_code == 404
     with TestClient(create_app(Settings(database_url=url))) as client:  # survives a restart
         assert client.get("/v1/status").json()["recommendation"]["policy"] == "br0"
+
+
+def test_rest_tuning_passes_confirm_to_tune(tmp_path, monkeypatch):
+    """``"confirm": true`` in the body reaches :func:`tune` (a spy on the real function);
+    absent, the default rule runs."""
+    import predictor.tuning as tuning
+
+    seen = []
+    real = tuning.tune
+
+    def spy(*a, **k):
+        seen.append(k.get("confirm"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(tuning, "tune", spy)
+    trace = synthesize("synth:templated:n=120,seed=5")
+    observations = [{"request_id": f"r{i}", "prompt_key": k, "prompt_tokens": int(p),
+                     "output_tokens": int(o)}
+                    for i, (k, p, o) in enumerate(zip(trace.prompt_keys, trace.prompt_tokens,
+                                                      trace.output_tokens, strict=True))]
+    url = f"sqlite:///{tmp_path / 'confirm.db'}"
+    with TestClient(create_app(Settings(database_url=url))) as client:
+        client.post("/v1/observations", json={"observations": observations}).raise_for_status()
+        for body in ({"confirm": True}, {}):
+            started = client.post("/v1/tunings", json={
+                "workers": [2], "batch": 8, "load": "backlog", "requests": 100,
+                "grid": [{"horizon": 20, "beta": 8, "gamma": 0.9}], **body})
+            job = wait(client, f"/v1/tunings/{started.json()['id']}")
+            assert job["status"] == "done", job["error"]
+    assert seen == [True, False]
 
 
 class Advising:

@@ -211,12 +211,17 @@ def wait(client, path, seconds=120):
     pytest.fail(f"{path} did not finish")
 
 
+def _observations(trace) -> list[dict]:
+    """The trace's requests as the body of ``POST /v1/observations``."""
+    return [{"request_id": f"r{i}", "prompt_key": k, "prompt_tokens": int(p),
+             "output_tokens": int(o)}
+            for i, (k, p, o) in enumerate(zip(trace.prompt_keys, trace.prompt_tokens,
+                                              trace.output_tokens, strict=True))]
+
+
 def test_rest_tuning_publishes_its_recommendation(tmp_path):
     trace = synthesize("synth:templated:n=300,seed=5")
-    observations = [{"request_id": f"r{i}", "prompt_key": k, "prompt_tokens": int(p),
-                     "output_tokens": int(o)}
-                    for i, (k, p, o) in enumerate(zip(trace.prompt_keys, trace.prompt_tokens,
-                                                      trace.output_tokens, strict=True))]
+    observations = _observations(trace)
     url = f"sqlite:///{tmp_path / 'tune.db'}"
     with TestClient(create_app(Settings(database_url=url))) as client:
         assert client.get("/v1/status").json()["recommendation"] is None
@@ -267,10 +272,7 @@ def test_rest_tuning_passes_confirm_to_tune(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tuning, "tune", spy)
     trace = synthesize("synth:templated:n=120,seed=5")
-    observations = [{"request_id": f"r{i}", "prompt_key": k, "prompt_tokens": int(p),
-                     "output_tokens": int(o)}
-                    for i, (k, p, o) in enumerate(zip(trace.prompt_keys, trace.prompt_tokens,
-                                                      trace.output_tokens, strict=True))]
+    observations = _observations(trace)
     url = f"sqlite:///{tmp_path / 'confirm.db'}"
     with TestClient(create_app(Settings(database_url=url))) as client:
         client.post("/v1/observations", json={"observations": observations}).raise_for_status()

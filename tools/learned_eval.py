@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import evalcli  # noqa: E402  (tools/ beside this script)
-from tracepaths import trace_file  # noqa: E402
+from tracepaths import synth_spec, trace_file  # noqa: E402
 
 from predictor.cli import main as balanceroute  # noqa: E402
 
@@ -50,9 +50,9 @@ CELLS = [f"{t}:{load}" for t in ("mooncake", "tpl", "azure", "sharegpt", "long")
 
 def trace_args(trace: str, seed: int, requests: int) -> list[str]:
     """The ``ab`` arguments that pick replicate ``seed`` of ``trace``."""
-    if trace in ("tpl", "long"):
-        name = "templated" if trace == "tpl" else "long"
-        return ["--trace", f"synth:{name}:seed={seed}", "--requests", str(requests)]
+    spec = synth_spec(trace, seed)
+    if spec is not None:
+        return ["--trace", spec, "--requests", str(requests)]
     return ["--trace", trace_file(trace), "--sample", str(requests)]
 
 

@@ -21,3 +21,12 @@ FILES = {
 def trace_file(name: str) -> str:
     """The path of the trace file called ``name`` (``azure``, ``mooncake``, ``sharegpt``)."""
     return str(FILES[name])
+
+
+SYNTH = {"tpl": "templated", "long": "long"}  # the evaluation tools' names of synth traces
+
+
+def synth_spec(name: str, seed: int) -> str | None:
+    """The synth trace ``name`` (``tpl``, ``long``) as synthesized with ``seed``; None for a
+    trace file."""
+    return f"synth:{SYNTH[name]}:seed={seed}" if name in SYNTH else None

@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import evalcli  # noqa: E402  (tools/ beside this script)
-from tracepaths import trace_file  # noqa: E402
+from tracepaths import synth_spec, trace_file  # noqa: E402
 
 from predictor.estimators import estimator_spec  # noqa: E402
 from predictor.tuning import Candidate, replay, tune  # noqa: E402
@@ -53,9 +53,9 @@ KEEP = ("throughput_tok_s", "imbalance_maxmin_mean", "balanced_bound_tok_s",
 
 def draw(trace: str, seed: int, requests: int) -> Trace:
     """Replicate ``seed`` of ``trace``: ``requests`` requests in arrival order."""
-    if trace in ("tpl", "long"):
-        name = "templated" if trace == "tpl" else "long"
-        return load_trace(f"synth:{name}:seed={seed}", requests=requests)
+    spec = synth_spec(trace, seed)
+    if spec is not None:
+        return load_trace(spec, requests=requests)
     return load_trace(trace_file(trace)).sample(requests, seed)
 
 

@@ -177,6 +177,33 @@ def test_the_pick_is_confirmed_on_a_window_that_did_not_rank_it():
     assert both.confirmation == [] and all(len(r["windows"]) == 2 for r in both.rows)
 
 
+def test_tune_command_confirm_prints_the_confirmation(tmp_path, capsys, monkeypatch):
+    """``tune --confirm`` reaches :func:`tune` and prints the pick's replay on the last window
+    against BR-0's and the verdict; ``--json`` carries both rows (the real ``tune``, with the
+    small grid of the confirmation test so that the run stays short)."""
+    import predictor.tuning as tuning
+
+    grid = (Candidate("br0"), Candidate("brh", 20, 8.0, 0.9), Candidate("brh", 80, None, 0.86))
+    real, seen = tuning.tune, []
+
+    def small(trace, config, **kwargs):
+        seen.append(kwargs["confirm"])
+        return real(trace, config, **{**kwargs, "grid": grid})
+
+    monkeypatch.setattr(tuning, "tune", small)
+    out = tmp_path / "tune.json"
+    assert main(["tune", "--trace", "synth:long:n=1600,seed=1", "--workers", "4", "--batch", "8",
+                 "--load", "backlog", "--confirm", "--quiet", "--json", str(out)]) == 0
+    assert seen == [True]
+    printed = capsys.readouterr().out
+    base, pick = json.loads(out.read_text())["confirmation"]
+    line = next(x for x in printed.splitlines() if x.startswith("confirmation"))
+    assert line.startswith("confirmation on the last window of the past (800 requests): "
+                           f"{pick['setting']} ")
+    assert f"{pick['bound_share']:.2%} of bound against {base['bound_share']:.2%}" in line
+    assert line.endswith(": confirmed")  # the case the confirmation test works through
+
+
 def test_tune_command(tmp_path, capsys):
     out = tmp_path / "tune.json"
     assert main(["tune", "--trace", "synth:templated:n=400,seed=2", "--workers", "2",

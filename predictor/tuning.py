@@ -204,7 +204,7 @@ def _choose(ranked: list[dict], min_gain: float) -> Candidate:
             continue
         if all(_beats(w, b, min_gain)
                for w, b in zip(row.get("windows", [row]), reference, strict=True)):
-            return _candidate_of(row)
+            return candidate_of(row)
     return Candidate("br0")
 
 
@@ -216,7 +216,8 @@ def _beats(row: dict, br0: dict, min_gain: float) -> bool:
             and row["imbalance_maxmin_mean"] <= br0["imbalance_maxmin_mean"])
 
 
-def _candidate_of(row: dict) -> Candidate:
+def candidate_of(row: dict) -> Candidate:
+    """The candidate a ranked row, or a recommendation (the same keys), stands for."""
     if row["policy"] == "br0":
         return Candidate("br0")
     return Candidate("brh", row["horizon"], row["beta"], row["gamma"],

@@ -41,7 +41,7 @@ import evalcli  # noqa: E402  (tools/ beside this script)
 from tracepaths import synth_spec, trace_file  # noqa: E402
 
 from predictor.estimators import estimator_spec  # noqa: E402
-from predictor.tuning import Candidate, replay, tune  # noqa: E402
+from predictor.tuning import candidate_of, replay, tune  # noqa: E402
 from router_client.admission import BalanceRouteParams  # noqa: E402
 from router_client.simulator import SimConfig, bound_share  # noqa: E402
 from router_client.traces import Trace, load_trace  # noqa: E402
@@ -125,7 +125,7 @@ def table(args: argparse.Namespace) -> None:
                     raise SystemExit(f"{path}:{number}: {shared} on {key} differs from the "
                                      "same draw's replay in another run")
             merged["later"].update(later)
-            merged["picks"][name] = _pick(row["recommendation"])
+            merged["picks"][name] = candidate_of(row["recommendation"]).label
     cells: dict[tuple[str, int, int], list[dict]] = defaultdict(list)
     for key, merged in sorted(draws.items()):
         cells[(key[0], key[1], key[3][0])].append(merged)  # draws of one size pool
@@ -158,14 +158,6 @@ def table(args: argparse.Namespace) -> None:
 
 def _ratio(run: dict, name: str, key: str) -> float:
     return run["later"][name][key] / run["later"]["br0"][key]
-
-
-def _pick(recommendation: dict) -> str:
-    """A recommendation as tuning labels its setting (``br0``, ``brh H=80 beta=G ...``)."""
-    if recommendation["policy"] == "br0":
-        return "br0"
-    return Candidate("brh", recommendation["horizon"], recommendation["beta"],
-                     recommendation["gamma"], recommendation.get("learned_short_pool")).label
 
 
 def _run_key(row: dict) -> tuple:

@@ -16,8 +16,8 @@ from predictor.tuning import (
     DEFAULT_GRID,
     Candidate,
     _beats,
-    _candidate_of,
     _choose,
+    candidate_of,
     parse_grid,
     recommendation_of,
     replay,
@@ -167,7 +167,7 @@ def test_the_pick_is_confirmed_on_a_window_that_did_not_rank_it():
         assert _beats(pick, base, 0.001) is confirmed
         # the pick replayed on the second window with the learner warmed on the first
         again = replay(trace.take(np.arange(800, 1600)), "brh-exactmatch",
-                       _candidate_of(pick).params(BalanceRouteParams()), config,
+                       candidate_of(pick).params(BalanceRouteParams()), config,
                        warm=trace.head(800))
         assert again["throughput_tok_s"] == pick["throughput_tok_s"]
         assert result.recommendation == (alone.recommendation if confirmed

@@ -40,6 +40,7 @@ from .settings import Settings
 
 ProgressCallback = Callable[[float, str], None]
 MIN_WINDOW = 500  # fewer requests per window than this: tune on one window
+MIN_GAIN = 0.001  # the share of the bound a BR-H setting must gain over BR-0 in every window
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,14 @@ def _choose(ranked: list[dict], min_gain: float) -> Candidate:
     return Candidate("br0")
 
 
+def choose(rows: Sequence[dict], min_gain: float = MIN_GAIN) -> Candidate:
+    """What tuning recommends from its rows (in any order): the best-ranked BR-H setting that
+    beats BR-0 in every window (:func:`_choose`), else BR-0. A part of a grid's rows gives the
+    pick tuning would have made over that part alone: each candidate's replays do not depend on
+    the others."""
+    return _choose(_rank(list(rows)), min_gain)
+
+
 def _beats(row: dict, br0: dict, min_gain: float) -> bool:
     """Whether ``row`` routes better than BR-0's ``br0`` on the same requests: a share of the
     balanced bound higher by ``min_gain``, no less throughput, no more imbalance."""
@@ -257,7 +266,7 @@ def _rank(rows: list[dict]) -> list[dict]:
 
 
 def tune(trace: Trace, config: SimConfig, estimator: str = "exact_match",
-         grid: Sequence[Candidate] = DEFAULT_GRID, min_gain: float = 0.001,
+         grid: Sequence[Candidate] = DEFAULT_GRID, min_gain: float = MIN_GAIN,
          holdout: float = 0.0, base: BalanceRouteParams | None = None,
          settings: Settings | None = None,
          progress: ProgressCallback | None = None, windows: int = 2,
@@ -304,7 +313,7 @@ def tune(trace: Trace, config: SimConfig, estimator: str = "exact_match",
                                       report, warm=warm))
         rows.append(_combine(per_window))
     ranked = _rank(rows)
-    chosen = _choose(ranked, min_gain)
+    chosen = choose(ranked, min_gain)
     confirmation: list[dict] = []
     if last is not None and chosen.policy != "br0":
         window, warm = last

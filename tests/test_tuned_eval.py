@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from predictor.tuning import replay, tune
-from router_client.admission import BalanceRouteParams
+from predictor.tuning import candidate_of, choose, replay, tune
+from router_client.admission import TURNOVER, BalanceRouteParams
 from router_client.simulator import SimConfig
 from router_client.traces import load_trace
 
@@ -116,6 +116,46 @@ def test_the_tool_tunes_by_the_rule_asked(tmp_path, monkeypatch):
     for confirm in (True, False, True):
         tuned_eval.run(argparse.Namespace(
             json=out, cells=["tpl:backlog"], workers=[2], seeds=1, requests=200, batch=8,
-            estimator="exact_match", confirm=confirm))
+            estimator="exact_match", confirm=confirm, first_seed=1, subgrid=None))
     assert seen == [True, False]  # the third run was done already
     assert [json.loads(x)["confirm"] for x in out.read_text().splitlines()] == [True, False]
+
+
+def test_the_subgrid_pick_is_tunings_rule_over_that_part_replayed_on_the_later_half(tmp_path):
+    """--subgrid turnover: the pick tuning's rule makes over BR-0 and the turnover-discount
+    points of the same ranking, replayed on the later half like the full grid's pick, shown as
+    its own row; --first-seed draws fresh replicates; and not with --confirm."""
+    out = tmp_path / "rows.jsonl"
+    args = ["--json", str(out), "--cells", "long:backlog", "--workers", "4", "--seeds", "1",
+            "--first-seed", "3", "--requests", "1000", "--batch", "8", "--subgrid", "turnover"]
+    subprocess.run([*TOOL, "run", *args], check=True, capture_output=True, cwd=ROOT)
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert (line["seed"], line["subgrid"]) == (3, "turnover")
+
+    whole = load_trace("synth:long:seed=3", requests=2000)
+    config = SimConfig(workers=4, batch=8, load="backlog", seed=3)
+    result = tune(whole, config, holdout=0.5)
+    assert line["recommendation"] == result.recommendation
+    part = [r for r in result.rows if r["policy"] == "br0" or r["gamma"] == TURNOVER]
+    assert 2 <= len(part) < len(result.rows)
+    pick = choose(part)
+    assert line["subgrid_pick"] == pick.label
+    later, past = whole.take(np.arange(1000, 2000)), whole.head(1000)
+    name = "br0" if pick.policy == "br0" else "brh-exactmatch"
+    again = replay(later, name, pick.params(BalanceRouteParams()), config, warm=past)
+    assert line["later"]["tuned, turnover grid"]["throughput_tok_s"] == again["throughput_tok_s"]
+    if pick == candidate_of(result.recommendation):
+        assert line["later"]["tuned, turnover grid"] == line["later"]["tuned"]
+
+    table = subprocess.run([*TOOL, "table", "--json", str(out)], check=True,
+                           capture_output=True, text=True, cwd=ROOT).stdout
+    rows = {r.split(" | ")[2]: r.split(" | ") for r in table.splitlines()
+            if r.startswith("| long")}
+    assert rows["tuned, turnover grid"][4] == pick.label
+    ratio = again["throughput_tok_s"] / line["later"]["br0"]["throughput_tok_s"]
+    assert rows["tuned, turnover grid"][5].startswith(f"{ratio:.4f} (")
+    subprocess.run([*TOOL, "run", *args], check=True, capture_output=True, cwd=ROOT)
+    assert len(out.read_text().splitlines()) == 1  # resumed
+    refused = subprocess.run([*TOOL, "run", *args, "--confirm"], capture_output=True,
+                             text=True, cwd=ROOT)
+    assert refused.returncode == 2 and "not with --confirm" in refused.stderr

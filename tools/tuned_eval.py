@@ -1,7 +1,7 @@
 """What a service that tunes itself gives its routers: tuning's pick, replayed on later traffic.
 
     python tools/tuned_eval.py run --json out.jsonl [--cells sharegpt:1.0,azure:1.0] \\
-        [--workers 4,8,16] [--seeds 1] [--requests 10000]
+        [--workers 4,8,16] [--seeds 1] [--first-seed 1] [--requests 10000] [--subgrid turnover]
     python tools/tuned_eval.py table --json out.jsonl [more.jsonl ...]
 
 For each cell (trace:load), G and replicate k: 2N requests in arrival order (real traces: a
@@ -15,7 +15,9 @@ learner warmed on the past as a running service's would be: BR-0, tuning's recom
 (BR-0 again where tuning says so), learned BR-H at its defaults (what a router runs without
 tuning) and BR-H with true lengths (``brh-oracle``, the gap's far end). Tuning sees only the
 past (the split is in arrival order and the later replays' learners know only the past's
-outcomes: ``test_tuning_uses_only_the_past``).
+outcomes: ``test_tuning_uses_only_the_past``). ``--subgrid turnover`` also judges the pick
+tuning's rule makes over a part of the grid (BR-0 and the turnover-discount points), from the
+same ranking rows: a smaller grid measured against the full one on the same draws.
 
 ``table`` reports per cell and G the recommendations and, for the tuned policy, the untuned
 learned one and the oracle, as ratios to BR-0 on the later N: throughput (``tok/s``), the share
@@ -41,12 +43,16 @@ import evalcli  # noqa: E402  (tools/ beside this script)
 from tracepaths import synth_spec, trace_file  # noqa: E402
 
 from predictor.estimators import estimator_spec  # noqa: E402
-from predictor.tuning import candidate_of, replay, tune  # noqa: E402
-from router_client.admission import BalanceRouteParams  # noqa: E402
+from predictor.tuning import candidate_of, choose, replay, tune  # noqa: E402
+from router_client.admission import TURNOVER, BalanceRouteParams  # noqa: E402
 from router_client.simulator import SimConfig, bound_share  # noqa: E402
 from router_client.traces import Trace, load_trace  # noqa: E402
 
 CELLS = [f"{t}:1.0" for t in ("mooncake", "tpl", "azure", "sharegpt", "long")]
+# a part of tuning's grid whose pick the tool also judges (``--subgrid``): chosen by tuning's
+# own rule from the full grid's rows on the same windows (each candidate's replays do not
+# depend on the others), so it costs one more replay of the later half at most
+SUBGRIDS = {"turnover": lambda row: row["policy"] == "br0" or row["gamma"] == TURNOVER}
 KEEP = ("throughput_tok_s", "imbalance_maxmin_mean", "balanced_bound_tok_s",
         "starvation_guard_admissions", "guard_waits", "requests", "contended_steps")
 
@@ -74,8 +80,9 @@ def run(args: argparse.Namespace) -> None:
         trace_name, load_text = cell.split(":")
         load: float | str = load_text if load_text == "backlog" else float(load_text)
         for workers in args.workers:
-            for seed in range(1, args.seeds + 1):
-                if (cell, workers, seed, args.requests, args.estimator, args.confirm) in done:
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
+                if (cell, workers, seed, args.requests, args.estimator, args.confirm,
+                        args.subgrid) in done:
                     continue
                 started = time.monotonic()
                 whole = draw(trace_name, seed, 2 * args.requests)
@@ -90,6 +97,16 @@ def run(args: argparse.Namespace) -> None:
                 rows = {"br0": base, "tuned": tuned,
                         learned: replay(later, learned, default, config, warm=past),
                         "brh-oracle": replay(later, "brh-oracle", default, config)}
+                extra = {}
+                if args.subgrid is not None:
+                    # tuning's rule (ranking, gate on every window) over the part's rows
+                    pick = choose([r for r in result.rows if SUBGRIDS[args.subgrid](r)])
+                    same = pick.params(default) == candidate_of(
+                        result.recommendation).params(default)
+                    rows[f"tuned, {args.subgrid} grid"] = (
+                        tuned if same else base if pick.policy == "br0" else
+                        replay(later, learned, pick.params(default), config, warm=past))
+                    extra = {"subgrid": args.subgrid, "subgrid_pick": pick.label}
                 with args.json.open("a") as f:
                     f.write(json.dumps({
                         "cell": cell, "workers": workers, "seed": seed,
@@ -99,8 +116,9 @@ def run(args: argparse.Namespace) -> None:
                         "confirmation": [{"setting": r["setting"], **_row(r)}
                                          for r in result.confirmation],
                         "tuning": [{"setting": r["setting"], **_row(r)} for r in result.rows],
+                        **extra,
                         "later": {name: _row(r) for name, r in rows.items()}}) + "\n")
-                print(f"{cell} G={workers} seed {seed}: {result.recommendation} "
+                print(f"{cell} G={workers} seed {seed}: {result.recommendation} {extra} "
                       f"({time.monotonic() - started:.0f} s)", file=sys.stderr)
 
 
@@ -126,6 +144,8 @@ def table(args: argparse.Namespace) -> None:
                                      "same draw's replay in another run")
             merged["later"].update(later)
             merged["picks"][name] = candidate_of(row["recommendation"]).label
+            if "subgrid" in row:
+                merged["picks"][f"tuned, {row['subgrid']} grid"] = row["subgrid_pick"]
     cells: dict[tuple[str, int, int], list[dict]] = defaultdict(list)
     for key, merged in sorted(draws.items()):
         cells[(key[0], key[1], key[3][0])].append(merged)  # draws of one size pool
@@ -136,16 +156,17 @@ def table(args: argparse.Namespace) -> None:
           "| share of the bound x BR-0 (min..max) | imbalance x BR-0 "
           "| gap closed (ratio of means) |")
     print("|---|---:|---|---:|---|---|---|---|---|")
-    order = ("tuned", "tuned, confirmed", "brh-oracle")
+    order = ("tuned", "tuned, confirmed", *(f"tuned, {g} grid" for g in SUBGRIDS),
+             "brh-oracle")
     for (name_of_cell, workers, half), runs in sorted(cells.items()):
         cell = (name_of_cell if len(sizes[(name_of_cell, workers)]) == 1
                 else f"{name_of_cell} (halves of {half})")
         names = sorted({n for r in runs for n in r["later"] if n != "br0"},
-                       key=lambda n: (order.index(n) if n in order else 2, n))
+                       key=lambda n: (order.index(n) if n in order else len(order) - 1, n))
         oracle = np.mean([_ratio(r, "brh-oracle", "imbalance_maxmin_mean") for r in runs])
         for name in names:
             have = [r for r in runs if name in r["later"]]
-            picks = ", ".join(r["picks"][name] for r in have) if name in order[:2] else ""
+            picks = ", ".join(r["picks"][name] for r in have) if name in order[:-1] else ""
             thr = np.array([_ratio(r, name, "throughput_tok_s") for r in have])
             share = np.array([_ratio(r, name, "bound_share") for r in have])
             imb = np.array([_ratio(r, name, "imbalance_maxmin_mean") for r in have])
@@ -161,25 +182,32 @@ def _ratio(run: dict, name: str, key: str) -> float:
 
 
 def _run_key(row: dict) -> tuple:
-    """What ``run`` resumes by: a row's cell, G, seed, N asked, learner and rule (rows from
-    before ``requests_asked`` was kept: the first half's size)."""
+    """What ``run`` resumes by: a row's cell, G, seed, N asked, learner, rule and subgrid
+    (rows from before ``requests_asked`` was kept: the first half's size)."""
     return (row["cell"], row["workers"], row["seed"],
             row.get("requests_asked", row["requests"][0]), row.get("estimator", "exact_match"),
-            row.get("confirm", False))
+            row.get("confirm", False), row.get("subgrid"))
 
 
 def main() -> None:
     ap = evalcli.parser(__doc__)
     ap.add_argument("--cells", type=lambda s: s.split(","), default=CELLS)
     ap.add_argument("--workers", type=lambda s: [int(g) for g in s.split(",")], default=[8])
-    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--seeds", type=int, default=1, help="how many draws")
+    ap.add_argument("--first-seed", type=int, default=1,
+                    help="the first draw's seed (fresh draws: above the ones measured)")
     ap.add_argument("--requests", type=int, default=10000,
                     help="N: the past and the later traffic are N requests each")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--confirm", action="store_true",
                     help="tune with the pick confirmed on a window that did not rank it")
+    ap.add_argument("--subgrid", choices=sorted(SUBGRIDS),
+                    help="also judge the pick tuning would make over this part of its grid "
+                         "(turnover: BR-0 and the turnover-discount points)")
     ap.add_argument("--estimator", default="exact_match",
                     help="the learner tuning replays and routers get (default exact_match)")
+    if "--confirm" in sys.argv and "--subgrid" in sys.argv:
+        ap.error("--subgrid judges the default rule's ranking: not with --confirm")
     evalcli.dispatch(ap, run, table)
 
 

@@ -18,12 +18,13 @@ from predictor.tuning import (
     _beats,
     _choose,
     candidate_of,
+    choose,
     parse_grid,
     recommendation_of,
     replay,
     tune,
 )
-from router_client.admission import BalanceRouteParams
+from router_client.admission import TURNOVER, BalanceRouteParams
 from router_client.client import RouterClient, RouterConfig
 from router_client.errors import ParameterError
 from router_client.predictors import Prediction
@@ -175,6 +176,31 @@ def test_the_pick_is_confirmed_on_a_window_that_did_not_rank_it():
     # the default ranks and gates on both windows, with nothing to confirm
     both = tune(trace, config, grid=grid)
     assert both.confirmation == [] and all(len(r["windows"]) == 2 for r in both.rows)
+
+
+def test_a_part_of_the_grid_is_chosen_from_the_full_grids_rows():
+    """``choose`` over some of a tuning's rows gives what tuning over that part of the grid
+    alone recommends, from the same rows: each candidate's replays do not depend on the
+    others (what tools/tuned_eval.py --subgrid relies on)."""
+    grid = (Candidate("br0"), Candidate("brh", 20, 8.0, 0.9), Candidate("brh", 80, None, 0.86),
+            Candidate("brh", 80, None, TURNOVER))
+    part = (grid[0], grid[3])
+    config = SimConfig(workers=4, batch=8, load="backlog")
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k != "sim_wall_s"} for r in rows]
+
+    trace = synthesize("synth:long:n=1600,seed=1")
+    full = tune(trace, config, grid=grid)
+    alone = tune(trace, config, grid=part)
+    kept = [r for r in full.rows if candidate_of(r) in {candidate_of(a) for a in alone.rows}]
+    assert strip(kept) == strip(alone.rows) and len(kept) == 2
+    assert choose(kept) == candidate_of(alone.recommendation)
+    assert choose(full.rows) == candidate_of(full.recommendation)
+    # here the full grid's pick is a fixed-discount point and the part's is BR-0: the
+    # turnover point wins the first window, not the second
+    assert (full.recommendation["horizon"], alone.recommendation) == (20, {"policy": "br0"})
+    assert choose(kept, min_gain=-1.0) == choose(list(reversed(kept)), min_gain=-1.0)
 
 
 def test_tune_command_confirm_prints_the_confirmation(tmp_path, capsys, monkeypatch):

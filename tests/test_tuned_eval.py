@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from predictor.tuning import candidate_of, choose, replay, tune
 from router_client.admission import TURNOVER, BalanceRouteParams
@@ -97,14 +98,20 @@ def test_runs_of_other_sizes_stay_apart_and_a_draw_must_agree_with_itself(tmp_pa
     assert failed.returncode != 0 and f"{forged}:1: br0" in failed.stderr
 
 
-def test_the_tool_tunes_by_the_rule_asked(tmp_path, monkeypatch):
-    """--confirm reaches tune (a spy on the real function), and a run of the other rule on
-    the same draw is not skipped as done."""
+@pytest.fixture
+def tuned_eval():
+    """The tool's module (tools/ is not a package)."""
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import tuned_eval
     finally:
         sys.path.remove(str(ROOT / "tools"))
+    return tuned_eval
+
+
+def test_the_tool_tunes_by_the_rule_asked(tmp_path, monkeypatch, tuned_eval):
+    """--confirm reaches tune (a spy on the real function), and a run of the other rule on
+    the same draw is not skipped as done."""
     seen = []
 
     def spy(*a, **k):
@@ -121,41 +128,48 @@ def test_the_tool_tunes_by_the_rule_asked(tmp_path, monkeypatch):
     assert [json.loads(x)["confirm"] for x in out.read_text().splitlines()] == [True, False]
 
 
-def test_the_subgrid_pick_is_tunings_rule_over_that_part_replayed_on_the_later_half(tmp_path):
+def test_the_subgrid_pick_is_tunings_rule_over_that_part_replayed_on_the_later_half(
+        tmp_path, monkeypatch, capsys, tuned_eval):
     """--subgrid turnover: the pick tuning's rule makes over BR-0 and the turnover-discount
-    points of the same ranking, replayed on the later half like the full grid's pick, shown as
-    its own row; --first-seed draws fresh replicates; and not with --confirm."""
-    out = tmp_path / "rows.jsonl"
-    args = ["--json", str(out), "--cells", "long:backlog", "--workers", "4", "--seeds", "1",
-            "--first-seed", "3", "--requests", "1000", "--batch", "8", "--subgrid", "turnover"]
-    subprocess.run([*TOOL, "run", *args], check=True, capture_output=True, cwd=ROOT)
-    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
-    assert (line["seed"], line["subgrid"]) == (3, "turnover")
+    points of the same ranking (a spy keeps the real tune's result), replayed on the later
+    half like the full grid's pick and shown as its own row; --first-seed draws fresh
+    replicates; and not with --confirm."""
+    results = []
 
-    whole = load_trace("synth:long:seed=3", requests=2000)
-    config = SimConfig(workers=4, batch=8, load="backlog", seed=3)
-    result = tune(whole, config, holdout=0.5)
-    assert line["recommendation"] == result.recommendation
+    def spy(*a, **k):
+        results.append(tune(*a, **k))
+        return results[-1]
+
+    monkeypatch.setattr(tuned_eval, "tune", spy)
+    out = tmp_path / "rows.jsonl"
+    args = argparse.Namespace(json=out, cells=["long:backlog"], workers=[2], seeds=1,
+                              first_seed=3, requests=300, batch=8, estimator="exact_match",
+                              confirm=False, subgrid="turnover")
+    tuned_eval.run(args)
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    (result,) = results
+    assert (line["seed"], line["subgrid"]) == (3, "turnover")
     part = [r for r in result.rows if r["policy"] == "br0" or r["gamma"] == TURNOVER]
     assert 2 <= len(part) < len(result.rows)
     pick = choose(part)
     assert line["subgrid_pick"] == pick.label
-    later, past = whole.take(np.arange(1000, 2000)), whole.head(1000)
+    whole = load_trace("synth:long:seed=3", requests=600)
+    later, past = whole.take(np.arange(300, 600)), whole.head(300)
+    config = SimConfig(workers=2, batch=8, load="backlog", seed=3)
     name = "br0" if pick.policy == "br0" else "brh-exactmatch"
     again = replay(later, name, pick.params(BalanceRouteParams()), config, warm=past)
     assert line["later"]["tuned, turnover grid"]["throughput_tok_s"] == again["throughput_tok_s"]
     if pick == candidate_of(result.recommendation):
         assert line["later"]["tuned, turnover grid"] == line["later"]["tuned"]
 
-    table = subprocess.run([*TOOL, "table", "--json", str(out)], check=True,
-                           capture_output=True, text=True, cwd=ROOT).stdout
-    rows = {r.split(" | ")[2]: r.split(" | ") for r in table.splitlines()
+    tuned_eval.table(argparse.Namespace(json=[out]))
+    rows = {r.split(" | ")[2]: r.split(" | ") for r in capsys.readouterr().out.splitlines()
             if r.startswith("| long")}
     assert rows["tuned, turnover grid"][4] == pick.label
     ratio = again["throughput_tok_s"] / line["later"]["br0"]["throughput_tok_s"]
     assert rows["tuned, turnover grid"][5].startswith(f"{ratio:.4f} (")
-    subprocess.run([*TOOL, "run", *args], check=True, capture_output=True, cwd=ROOT)
-    assert len(out.read_text().splitlines()) == 1  # resumed
-    refused = subprocess.run([*TOOL, "run", *args, "--confirm"], capture_output=True,
-                             text=True, cwd=ROOT)
+    tuned_eval.run(args)
+    assert len(out.read_text().splitlines()) == 1 and len(results) == 1  # resumed
+    refused = subprocess.run([*TOOL, "run", "--json", str(out), "--subgrid", "turnover",
+                              "--confirm"], capture_output=True, text=True, cwd=ROOT)
     assert refused.returncode == 2 and "not with --confirm" in refused.stderr

@@ -75,51 +75,63 @@ def run(args: argparse.Namespace) -> None:
         for line in args.json.read_text().splitlines():
             row = json.loads(line)
             done.add(_run_key(row))
-    learned = estimator_spec(args.estimator).policy
     for cell in args.cells:
         trace_name, load_text = cell.split(":")
         load: float | str = load_text if load_text == "backlog" else float(load_text)
         for workers in args.workers:
             for seed in range(args.first_seed, args.first_seed + args.seeds):
-                if (cell, workers, seed, args.requests, args.estimator, args.confirm,
-                        args.subgrid) in done:
+                head = {"cell": cell, "workers": workers, "seed": seed,
+                        "requests_asked": args.requests, "estimator": args.estimator,
+                        "confirm": args.confirm}
+                if args.subgrid is not None:
+                    head["subgrid"] = args.subgrid
+                if _run_key(head) in done:
                     continue
                 started = time.monotonic()
-                whole = draw(trace_name, seed, 2 * args.requests)
-                split = len(whole) // 2
-                config = SimConfig(workers=workers, batch=args.batch, load=load, seed=seed)
-                result = tune(whole, config, estimator=args.estimator,
-                              holdout=(len(whole) - split) / len(whole), confirm=args.confirm)
-                past = whole.head(split)
-                later = whole.take(np.arange(split, len(whole)))
-                base, tuned = result.evaluation[0], result.evaluation[-1]
-                default = BalanceRouteParams()
-                rows = {"br0": base, "tuned": tuned,
-                        learned: replay(later, learned, default, config, warm=past),
-                        "brh-oracle": replay(later, "brh-oracle", default, config)}
-                extra = {}
-                if args.subgrid is not None:
-                    # tuning's rule (ranking, gate on every window) over the part's rows
-                    pick = choose([r for r in result.rows if SUBGRIDS[args.subgrid](r)])
-                    same = pick.params(default) == candidate_of(
-                        result.recommendation).params(default)
-                    rows[f"tuned, {args.subgrid} grid"] = (
-                        tuned if same else base if pick.policy == "br0" else
-                        replay(later, learned, pick.params(default), config, warm=past))
-                    extra = {"subgrid": args.subgrid, "subgrid_pick": pick.label}
+                record = _judge(args, trace_name, load, workers, seed)
                 with args.json.open("a") as f:
-                    f.write(json.dumps({
-                        "cell": cell, "workers": workers, "seed": seed,
-                        "requests_asked": args.requests,
-                        "requests": [len(past), len(later)], "estimator": args.estimator,
-                        "confirm": args.confirm, "recommendation": result.recommendation,
-                        "confirmation": [{"setting": r["setting"], **_row(r)}
-                                         for r in result.confirmation],
-                        "tuning": [{"setting": r["setting"], **_row(r)} for r in result.rows],
-                        **extra,
-                        "later": {name: _row(r) for name, r in rows.items()}}) + "\n")
-                print(f"{cell} G={workers} seed {seed}: {result.recommendation} {extra} "
+                    f.write(json.dumps({**head, **record}) + "\n")
+                print(f"{cell} G={workers} seed {seed}: {record['recommendation']} "
+                      f"{record.get('subgrid_pick', '')} "
                       f"({time.monotonic() - started:.0f} s)", file=sys.stderr)
+
+
+def _judge(args: argparse.Namespace, trace_name: str, load: float | str, workers: int,
+           seed: int) -> dict:
+    """One draw: tuning on its past, the replays of its later half (a row's fields after the
+    run's key)."""
+    whole = draw(trace_name, seed, 2 * args.requests)
+    split = len(whole) // 2
+    config = SimConfig(workers=workers, batch=args.batch, load=load, seed=seed)
+    result = tune(whole, config, estimator=args.estimator,
+                  holdout=(len(whole) - split) / len(whole), confirm=args.confirm)
+    past = whole.head(split)
+    later = whole.take(np.arange(split, len(whole)))
+    default = BalanceRouteParams()
+    learned = estimator_spec(args.estimator).policy
+    # the later half's replays by routing: tuning's own of BR-0 and of its pick, any other
+    # setting replayed once (the defaults are often tuning's pick)
+    replays = {candidate_of(result.recommendation).params(default): result.evaluation[-1],
+               default.as_br0(): result.evaluation[0]}
+
+    def later_of(params: BalanceRouteParams) -> dict:
+        if params not in replays:
+            replays[params] = replay(later, learned, params, config, warm=past)
+        return replays[params]
+
+    rows = {"br0": result.evaluation[0], "tuned": result.evaluation[-1],
+            learned: later_of(default),
+            "brh-oracle": replay(later, "brh-oracle", default, config)}
+    extra = {}
+    if args.subgrid is not None:
+        # tuning's rule (ranking, gate on every window) over the part's rows
+        pick = choose([r for r in result.rows if SUBGRIDS[args.subgrid](r)])
+        rows[f"tuned, {args.subgrid} grid"] = later_of(pick.params(default))
+        extra = {"subgrid_pick": pick.label}
+    return {"requests": [len(past), len(later)], "recommendation": result.recommendation,
+            "confirmation": [{"setting": r["setting"], **_row(r)} for r in result.confirmation],
+            "tuning": [{"setting": r["setting"], **_row(r)} for r in result.rows], **extra,
+            "later": {name: _row(r) for name, r in rows.items()}}
 
 
 def table(args: argparse.Namespace) -> None:
@@ -184,8 +196,8 @@ def _ratio(run: dict, name: str, key: str) -> float:
 def _run_key(row: dict) -> tuple:
     """What ``run`` resumes by: a row's cell, G, seed, N asked, learner, rule and subgrid
     (rows from before ``requests_asked`` was kept: the first half's size)."""
-    return (row["cell"], row["workers"], row["seed"],
-            row.get("requests_asked", row["requests"][0]), row.get("estimator", "exact_match"),
+    asked = row["requests_asked"] if "requests_asked" in row else row["requests"][0]
+    return (row["cell"], row["workers"], row["seed"], asked, row.get("estimator", "exact_match"),
             row.get("confirm", False), row.get("subgrid"))
 
 

@@ -325,6 +325,10 @@ def _add_tune(sub) -> None:
     tune.add_argument("--holdout", type=float, default=0.0,
                       help="share of the trace (the latest requests) kept out of tuning and "
                       "used to check the recommendation against BR-0 (default 0)")
+    tune.add_argument("--grid", default="turnover", choices=("turnover", "wide"),
+                      help="the settings replayed: turnover (BR-0 and BR-H with the discount "
+                      "from the fleet's turnover, the default) or wide (those and fixed "
+                      "discounts: more chances to gain, and to pick a lucky replay)")
     tune.add_argument("--min-gain", type=float, default=0.001,
                       help="BR-H must beat BR-0's share of the balanced bound by this "
                       "fraction, with no less throughput and no more imbalance (default "
@@ -498,11 +502,12 @@ def cmd_ab(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .tuning import tune
+    from .tuning import GRIDS, tune
 
     trace = load_trace(args.trace, args.format, args.requests)
     config = SimConfig(workers=args.workers, batch=args.batch, load=args.load, seed=args.seed)
-    result = tune(trace, config, estimator=args.estimator, min_gain=args.min_gain,
+    result = tune(trace, config, estimator=args.estimator, grid=GRIDS[args.grid],
+                  min_gain=args.min_gain,
                   holdout=args.holdout, progress=Progress(not args.quiet),
                   windows=args.windows, confirm=args.confirm)
     reference = next(r for r in result.rows if r["policy"] == "br0")["throughput_tok_s"]

@@ -629,14 +629,28 @@ class TuningIn(ReplayIn):
     requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] = 20_000
     estimator: str = Field("exact_match", description="the estimator BR-H would use")
     grid: list[GridPoint] | None = Field(
-        None, max_length=32, description="BR-H settings to try (default: a small built-in "
-        "grid); BR-0 always takes part")
+        None, max_length=32, description="BR-H settings to try, or a built-in grid by name: "
+        "'turnover' (the default: the discount from the fleet's turnover) or 'wide' (with "
+        "fixed discounts too), which stands for its points; BR-0 always takes part")
     min_gain: Annotated[float, Field(ge=0, le=0.5)] = Field(
         0.001, description="BR-H is recommended only if it beats BR-0's throughput by this")
     confirm: Annotated[bool, Field(strict=True)] = Field(
         False, description="rank the grid on the earlier of two windows of the replayed "
         "traffic and recommend its pick only if it wins again on the later window, which "
         "played no part in picking it (an option; default: rank and judge on both windows)")
+
+    @field_validator("grid", mode="before")
+    @classmethod
+    def _named_grid(cls, value: object) -> object:
+        """A built-in grid's name stands for its BR-H points."""
+        if not isinstance(value, str):
+            return value
+        from .tuning import GRIDS, points_of
+
+        if value not in GRIDS:
+            raise ValueError(f"unknown grid {value!r}; known: {', '.join(GRIDS)}, or a list "
+                             "of points")
+        return points_of(GRIDS[value])
 
     @field_validator("estimator")
     @classmethod

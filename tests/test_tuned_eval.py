@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from predictor.tuning import candidate_of, choose, replay, tune
+from predictor.tuning import GRIDS, candidate_of, choose, replay, tune
 from router_client.admission import TURNOVER, BalanceRouteParams
 from router_client.simulator import SimConfig
 from router_client.traces import load_trace
@@ -49,10 +49,17 @@ def test_tuned_eval_judges_the_pick_on_the_later_half_only(tmp_path):
                            capture_output=True, text=True, cwd=ROOT).stdout
     rows = {r.split(" | ")[2]: r.split(" | ") for r in table.splitlines()
             if r.startswith("| tpl")}
-    assert set(rows) == {"tuned", "brh-exactmatch", "brh-oracle"}
+    assert set(rows) == {"tuned, turnover grid", "brh-exactmatch", "brh-oracle"}
     ratio = line["later"]["tuned"]["throughput_tok_s"] / line["later"]["br0"]["throughput_tok_s"]
-    assert rows["tuned"][5].startswith(f"{ratio:.4f} (")
-    assert line["confirm"] is False
+    assert rows["tuned, turnover grid"][5].startswith(f"{ratio:.4f} (")
+    assert (line["confirm"], line["grid"]) == (False, "turnover")
+    # the pooled summary: each draw once, the share's mean and the count below 0.999x
+    pooled = {r.split(" | ")[0]: r.split(" | ") for r in table.splitlines()
+              if r.startswith(("| tuned", "| brh"))}
+    share = line["later"]["brh-oracle"]["bound_share"] / line["later"]["br0"]["bound_share"]
+    assert pooled["| brh-oracle"][1] == "1"
+    assert pooled["| brh-oracle"][2] == f"{share:.4f} ({share:.4f})"
+    assert pooled["| brh-oracle"][4].startswith(f"{int(share < 0.999)} / ")
 
     # the same draw tuned with the pick confirmed pools with it: one draw, both picks
     other = tmp_path / "confirmed.jsonl"
@@ -65,11 +72,12 @@ def test_tuned_eval_judges_the_pick_on_the_later_half_only(tmp_path):
                            capture_output=True, text=True, cwd=ROOT).stdout
     rows = {r.split(" | ")[2]: r.split(" | ") for r in table.splitlines()
             if r.startswith("| tpl")}
-    assert set(rows) == {"tuned", "tuned, confirmed", "brh-exactmatch", "brh-oracle"}
+    assert set(rows) == {"tuned, turnover grid", "tuned, turnover grid, confirmed",
+                         "brh-exactmatch", "brh-oracle"}
     assert all(r[3] == "1" for r in rows.values())  # the draw counts once
     ratio = (before["later"]["tuned"]["throughput_tok_s"]
              / before["later"]["br0"]["throughput_tok_s"])
-    assert rows["tuned, confirmed"][5].startswith(f"{ratio:.4f} (")
+    assert rows["tuned, turnover grid, confirmed"][5].startswith(f"{ratio:.4f} (")
     imb = (line["later"]["brh-oracle"]["imbalance_maxmin_mean"]
            / line["later"]["br0"]["imbalance_maxmin_mean"])
     assert rows["brh-oracle"][7] == f"{imb:.3f}"
@@ -123,17 +131,19 @@ def test_the_tool_tunes_by_the_rule_asked(tmp_path, monkeypatch, tuned_eval):
     for confirm in (True, False, True):
         tuned_eval.run(argparse.Namespace(
             json=out, cells=["tpl:backlog"], workers=[2], seeds=1, requests=200, batch=8,
-            estimator="exact_match", confirm=confirm, first_seed=1, subgrid=None))
+            estimator="exact_match", confirm=confirm, first_seed=1, grid="turnover",
+            subgrid=None))
     assert seen == [True, False]  # the third run was done already
     assert [json.loads(x)["confirm"] for x in out.read_text().splitlines()] == [True, False]
 
 
 def test_the_subgrid_pick_is_tunings_rule_over_that_part_replayed_on_the_later_half(
         tmp_path, monkeypatch, capsys, tuned_eval):
-    """--subgrid turnover: the pick tuning's rule makes over BR-0 and the turnover-discount
-    points of the same ranking (a spy keeps the real tune's result), replayed on the later
-    half like the full grid's pick and shown as its own row; --first-seed draws fresh
-    replicates; and not with --confirm."""
+    """--grid wide --subgrid turnover: the pick tuning's rule makes over the turnover grid's
+    rows of the wide grid's ranking (a spy keeps the real tune's result), replayed on the later
+    half like the wide grid's pick and shown as its own row, agreeing with a run over the
+    turnover grid alone; --first-seed draws fresh replicates; a subgrid must be a part of the
+    grid, and not with --confirm."""
     results = []
 
     def spy(*a, **k):
@@ -144,11 +154,12 @@ def test_the_subgrid_pick_is_tunings_rule_over_that_part_replayed_on_the_later_h
     out = tmp_path / "rows.jsonl"
     args = argparse.Namespace(json=out, cells=["long:backlog"], workers=[2], seeds=1,
                               first_seed=3, requests=300, batch=8, estimator="exact_match",
-                              confirm=False, subgrid="turnover")
+                              confirm=False, grid="wide", subgrid="turnover")
     tuned_eval.run(args)
     (line,) = [json.loads(x) for x in out.read_text().splitlines()]
     (result,) = results
-    assert (line["seed"], line["subgrid"]) == (3, "turnover")
+    assert (line["seed"], line["grid"], line["subgrid"]) == (3, "wide", "turnover")
+    assert len(result.rows) == len({c.params(BalanceRouteParams()) for c in GRIDS["wide"]})
     part = [r for r in result.rows if r["policy"] == "br0" or r["gamma"] == TURNOVER]
     assert 2 <= len(part) < len(result.rows)
     pick = choose(part)
@@ -170,6 +181,17 @@ def test_the_subgrid_pick_is_tunings_rule_over_that_part_replayed_on_the_later_h
     assert rows["tuned, turnover grid"][5].startswith(f"{ratio:.4f} (")
     tuned_eval.run(args)
     assert len(out.read_text().splitlines()) == 1 and len(results) == 1  # resumed
-    refused = subprocess.run([*TOOL, "run", "--json", str(out), "--subgrid", "turnover",
-                              "--confirm"], capture_output=True, text=True, cwd=ROOT)
-    assert refused.returncode == 2 and "not with --confirm" in refused.stderr
+    # the same draw tuned over the turnover grid alone: the same pick and replay, one draw
+    tuned_eval.run(argparse.Namespace(**{**vars(args), "grid": "turnover", "subgrid": None}))
+    alone = json.loads(out.read_text().splitlines()[1])
+    default = BalanceRouteParams()
+    assert candidate_of(alone["recommendation"]).params(default) == pick.params(default)
+    assert alone["later"]["tuned"] == line["later"]["tuned, turnover grid"]
+    tuned_eval.table(argparse.Namespace(json=[out]))
+    rows = [r.split(" | ") for r in capsys.readouterr().out.splitlines()
+            if r.startswith("| long")]
+    assert all(r[3] == "1" for r in rows)  # one draw
+    for bad in (["--confirm"], ["--grid", "turnover"]):
+        refused = subprocess.run([*TOOL, "run", "--json", str(out), "--subgrid", "turnover",
+                                  *bad], capture_output=True, text=True, cwd=ROOT)
+        assert refused.returncode != 0 and "a part of --grid" in refused.stderr

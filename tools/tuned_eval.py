@@ -1,7 +1,8 @@
 """What a service that tunes itself gives its routers: tuning's pick, replayed on later traffic.
 
     python tools/tuned_eval.py run --json out.jsonl [--cells sharegpt:1.0,azure:1.0] \\
-        [--workers 4,8,16] [--seeds 1] [--first-seed 1] [--requests 10000] [--subgrid turnover]
+        [--workers 4,8,16] [--seeds 1] [--first-seed 1] [--requests 10000] \\
+        [--grid turnover|wide] [--subgrid turnover]
     python tools/tuned_eval.py table --json out.jsonl [more.jsonl ...]
 
 For each cell (trace:load), G and replicate k: 2N requests in arrival order (real traces: a
@@ -15,9 +16,10 @@ learner warmed on the past as a running service's would be: BR-0, tuning's recom
 (BR-0 again where tuning says so), learned BR-H at its defaults (what a router runs without
 tuning) and BR-H with true lengths (``brh-oracle``, the gap's far end). Tuning sees only the
 past (the split is in arrival order and the later replays' learners know only the past's
-outcomes: ``test_tuning_uses_only_the_past``). ``--subgrid turnover`` also judges the pick
-tuning's rule makes over a part of the grid (BR-0 and the turnover-discount points), from the
-same ranking rows: a smaller grid measured against the full one on the same draws.
+outcomes: ``test_tuning_uses_only_the_past``). ``--grid`` names tuning's grid (default
+tuning's own, ``turnover``; rows without the field were tuned over ``wide``, the default before
+2026-12-07). ``--grid wide --subgrid turnover`` also judges the pick tuning's rule makes over
+the turnover grid alone, from the same ranking rows: both grids measured on the same draws.
 
 ``table`` reports per cell and G the recommendations and, for the tuned policy, the untuned
 learned one and the oracle, as ratios to BR-0 on the later N: throughput (``tok/s``), the share
@@ -43,16 +45,12 @@ import evalcli  # noqa: E402  (tools/ beside this script)
 from tracepaths import synth_spec, trace_file  # noqa: E402
 
 from predictor.estimators import estimator_spec  # noqa: E402
-from predictor.tuning import candidate_of, choose, replay, tune  # noqa: E402
-from router_client.admission import TURNOVER, BalanceRouteParams  # noqa: E402
+from predictor.tuning import GRIDS, candidate_of, choose, replay, tune  # noqa: E402
+from router_client.admission import BalanceRouteParams  # noqa: E402
 from router_client.simulator import SimConfig, bound_share  # noqa: E402
 from router_client.traces import Trace, load_trace  # noqa: E402
 
 CELLS = [f"{t}:1.0" for t in ("mooncake", "tpl", "azure", "sharegpt", "long")]
-# a part of tuning's grid whose pick the tool also judges (``--subgrid``): chosen by tuning's
-# own rule from the full grid's rows on the same windows (each candidate's replays do not
-# depend on the others), so it costs one more replay of the later half at most
-SUBGRIDS = {"turnover": lambda row: row["policy"] == "br0" or row["gamma"] == TURNOVER}
 KEEP = ("throughput_tok_s", "imbalance_maxmin_mean", "balanced_bound_tok_s",
         "starvation_guard_admissions", "guard_waits", "requests", "contended_steps")
 
@@ -70,6 +68,10 @@ def _row(row: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.subgrid is not None and (
+            args.confirm or not set(GRIDS[args.subgrid]) < set(GRIDS[args.grid])):
+        raise SystemExit(f"--subgrid {args.subgrid}: a part of --grid ({args.grid}), judged "
+                         "by the default rule (not with --confirm)")
     done = set()
     if args.json.exists():
         for line in args.json.read_text().splitlines():
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> None:
             for seed in range(args.first_seed, args.first_seed + args.seeds):
                 head = {"cell": cell, "workers": workers, "seed": seed,
                         "requests_asked": args.requests, "estimator": args.estimator,
-                        "confirm": args.confirm}
+                        "confirm": args.confirm, "grid": args.grid}
                 if args.subgrid is not None:
                     head["subgrid"] = args.subgrid
                 if _run_key(head) in done:
@@ -103,7 +105,7 @@ def _judge(args: argparse.Namespace, trace_name: str, load: float | str, workers
     whole = draw(trace_name, seed, 2 * args.requests)
     split = len(whole) // 2
     config = SimConfig(workers=workers, batch=args.batch, load=load, seed=seed)
-    result = tune(whole, config, estimator=args.estimator,
+    result = tune(whole, config, estimator=args.estimator, grid=GRIDS[args.grid],
                   holdout=(len(whole) - split) / len(whole), confirm=args.confirm)
     past = whole.head(split)
     later = whole.take(np.arange(split, len(whole)))
@@ -124,9 +126,12 @@ def _judge(args: argparse.Namespace, trace_name: str, load: float | str, workers
             "brh-oracle": replay(later, "brh-oracle", default, config)}
     extra = {}
     if args.subgrid is not None:
-        # tuning's rule (ranking, gate on every window) over the part's rows
-        pick = choose([r for r in result.rows if SUBGRIDS[args.subgrid](r)])
-        rows[f"tuned, {args.subgrid} grid"] = later_of(pick.params(default))
+        # tuning's rule (ranking, gate on every window) over the part's rows: each
+        # candidate's replays do not depend on the others, so it costs one more replay of the
+        # later half at most
+        part = {c.params(default) for c in GRIDS[args.subgrid]}
+        pick = choose([r for r in result.rows if candidate_of(r).params(default) in part])
+        rows[_pick_name(args.subgrid, False)] = later_of(pick.params(default))
         extra = {"subgrid_pick": pick.label}
     return {"requests": [len(past), len(later)], "recommendation": result.recommendation,
             "confirmation": [{"setting": r["setting"], **_row(r)} for r in result.confirmation],
@@ -137,13 +142,14 @@ def _judge(args: argparse.Namespace, trace_name: str, load: float | str, workers
 def table(args: argparse.Namespace) -> None:
     """Runs of one draw under both tuning rules (files pooled) share its replays of BR-0, the
     default and the oracle, which do not depend on the rule: each (cell, G, draw) counts once,
-    its pick as ``tuned`` (``tuned, confirmed`` under ``--confirm``; rows without the
-    ``confirm`` field predate the option and are the default rule)."""
+    its pick named by grid and rule (:func:`_pick_name`; rows without the ``confirm`` field
+    predate the option and are the default rule, rows without ``grid`` tuned the wide grid);
+    a ``--subgrid`` pick and a run over that grid of the same draw must agree."""
     draws: dict[tuple, dict] = {}
     for path in args.json:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             row = json.loads(line)
-            name = "tuned, confirmed" if row.get("confirm", False) else "tuned"
+            name = _pick_name(row.get("grid", "wide"), row.get("confirm", False))
             # a draw is its cell, G, seed, halves and learner: runs of other sizes are others
             key = (row["cell"], row["workers"], row["seed"], tuple(row["requests"]),
                    row.get("estimator", "exact_match"))
@@ -157,7 +163,7 @@ def table(args: argparse.Namespace) -> None:
             merged["later"].update(later)
             merged["picks"][name] = candidate_of(row["recommendation"]).label
             if "subgrid" in row:
-                merged["picks"][f"tuned, {row['subgrid']} grid"] = row["subgrid_pick"]
+                merged["picks"][_pick_name(row["subgrid"], False)] = row["subgrid_pick"]
     cells: dict[tuple[str, int, int], list[dict]] = defaultdict(list)
     for key, merged in sorted(draws.items()):
         cells[(key[0], key[1], key[3][0])].append(merged)  # draws of one size pool
@@ -168,8 +174,7 @@ def table(args: argparse.Namespace) -> None:
           "| share of the bound x BR-0 (min..max) | imbalance x BR-0 "
           "| gap closed (ratio of means) |")
     print("|---|---:|---|---:|---|---|---|---|---|")
-    order = ("tuned", "tuned, confirmed", *(f"tuned, {g} grid" for g in SUBGRIDS),
-             "brh-oracle")
+    order = (*(_pick_name(g, c) for g in GRIDS for c in (False, True)), "brh-oracle")
     for (name_of_cell, workers, half), runs in sorted(cells.items()):
         cell = (name_of_cell if len(sizes[(name_of_cell, workers)]) == 1
                 else f"{name_of_cell} (halves of {half})")
@@ -187,18 +192,47 @@ def table(args: argparse.Namespace) -> None:
             print(f"| {cell} | {workers} | {name} | {len(have)} | {picks} | {thr.mean():.4f} "
                   f"({thr.min():.4f}..{thr.max():.4f}) | {share.mean():.4f} "
                   f"({share.min():.4f}..{share.max():.4f}) | {imb.mean():.3f} | {closed} |")
+    _summary(list(draws.values()), order)
+
+
+def _summary(draws: list[dict], order: tuple[str, ...]) -> None:
+    """Every draw pooled, once each: per policy the mean ratios to BR-0 and the draws below
+    0.999x; and the same on the draws where every policy of the files was replayed (paired)."""
+    names = sorted({n for d in draws for n in d["later"] if n != "br0"},
+                   key=lambda n: (order.index(n) if n in order else len(order) - 1, n))
+    paired = [d for d in draws if all(n in d["later"] for n in names)]
+    print(f"\n| policy | draws | mean share x BR-0 (min) | mean tok/s x BR-0 (min) "
+          f"| below 0.999x in share / tok/s | picked BR-H | on the {len(paired)} draws with "
+          "every policy: mean share, below |")
+    print("|---|---:|---|---|---|---|---|")
+    for name in names:
+        have = [d for d in draws if name in d["later"]]
+        share = np.array([_ratio(d, name, "bound_share") for d in have])
+        thr = np.array([_ratio(d, name, "throughput_tok_s") for d in have])
+        both = np.array([_ratio(d, name, "bound_share") for d in paired])
+        brh = (f"{sum(d['picks'][name] != 'br0' for d in have)} of {len(have)}"
+               if name in order[:-1] else "")
+        on_paired = f"{both.mean():.4f}, {(both < 0.999).sum()}" if len(both) else "-"
+        print(f"| {name} | {len(have)} | {share.mean():.4f} ({share.min():.4f}) "
+              f"| {thr.mean():.4f} ({thr.min():.4f}) | {(share < 0.999).sum()} / "
+              f"{(thr < 0.999).sum()} | {brh} | {on_paired} |")
 
 
 def _ratio(run: dict, name: str, key: str) -> float:
     return run["later"][name][key] / run["later"]["br0"][key]
 
 
+def _pick_name(grid: str, confirm: bool) -> str:
+    """The table's name for the pick of tuning over ``grid`` by a rule."""
+    return f"tuned, {grid} grid" + (", confirmed" if confirm else "")
+
+
 def _run_key(row: dict) -> tuple:
-    """What ``run`` resumes by: a row's cell, G, seed, N asked, learner, rule and subgrid
+    """What ``run`` resumes by: a row's cell, G, seed, N asked, learner, rule, grids
     (rows from before ``requests_asked`` was kept: the first half's size)."""
     asked = row["requests_asked"] if "requests_asked" in row else row["requests"][0]
     return (row["cell"], row["workers"], row["seed"], asked, row.get("estimator", "exact_match"),
-            row.get("confirm", False), row.get("subgrid"))
+            row.get("confirm", False), row.get("grid", "wide"), row.get("subgrid"))
 
 
 def main() -> None:
@@ -213,13 +247,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--confirm", action="store_true",
                     help="tune with the pick confirmed on a window that did not rank it")
-    ap.add_argument("--subgrid", choices=sorted(SUBGRIDS),
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="turnover",
+                    help="tuning's grid (default turnover, tuning's own)")
+    ap.add_argument("--subgrid", choices=sorted(GRIDS),
                     help="also judge the pick tuning would make over this part of its grid "
                          "(turnover: BR-0 and the turnover-discount points)")
     ap.add_argument("--estimator", default="exact_match",
                     help="the learner tuning replays and routers get (default exact_match)")
-    if "--confirm" in sys.argv and "--subgrid" in sys.argv:
-        ap.error("--subgrid judges the default rule's ranking: not with --confirm")
     evalcli.dispatch(ap, run, table)
 
 

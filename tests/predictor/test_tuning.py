@@ -14,6 +14,7 @@ from predictor.cli import main
 from predictor.settings import Settings
 from predictor.tuning import (
     DEFAULT_GRID,
+    GRIDS,
     Candidate,
     _beats,
     _choose,
@@ -247,11 +248,30 @@ def test_tune_command(tmp_path, capsys):
     assert result["recommendation"]["policy"] in ("br0", "brh")
     # one row per distinct routing: one of the grid's two explicit short-pool rules is the
     # base's and shares its row with the point that leaves the rule to the base
+    assert DEFAULT_GRID == GRIDS["turnover"]
     distinct = {c.params(BalanceRouteParams()) for c in DEFAULT_GRID}
     assert len(result["rows"]) == len(distinct) == len(DEFAULT_GRID) - 1
     assert result["evaluation"]
     settings = {r["setting"] for r in result["rows"]}
-    assert {"brh H=20 beta=G gamma=0.86", "brh H=80 beta=G gamma=turnover"} <= settings
+    assert {"br0", "brh H=80 beta=G gamma=turnover", "brh H=200 beta=G gamma=turnover",
+            "brh H=80 beta=43 gamma=turnover"} <= settings
+    assert all(s == "br0" or "gamma=turnover" in s for s in settings)
+
+
+def test_tune_command_wide_grid(tmp_path, capsys):
+    """``--grid wide`` replays the turnover points and the fixed discounts."""
+    out = tmp_path / "tune.json"
+    assert main(["tune", "--trace", "synth:templated:n=200,seed=2", "--workers", "2",
+                 "--batch", "8", "--load", "backlog", "--quiet", "--grid", "wide",
+                 "--json", str(out)]) == 0
+    settings = [r["setting"] for r in json.loads(out.read_text())["rows"]]
+    wide = {c.params(BalanceRouteParams()) for c in GRIDS["wide"]}
+    assert len(settings) == len(wide) == len(set(settings))
+    assert {"brh H=20 beta=G gamma=0.86", "brh H=80 beta=43 gamma=0.86",
+            "brh H=80 beta=G gamma=turnover"} <= set(settings)
+    assert set(GRIDS["turnover"]) < set(GRIDS["wide"])
+    with pytest.raises(SystemExit):
+        main(["tune", "--trace", "synth:templated:n=200,seed=2", "--grid", "narrow"])
 
 
 def wait(client, path, seconds=120):
@@ -285,6 +305,9 @@ def test_rest_tuning_publishes_its_recommendation(tmp_path):
             {"horizon": 80, "gamma": "turnover", "learned_short_pool": "yes"}]})
         assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == [
             "body", "grid", 0, "learned_short_pool"]
+        bad = client.post("/v1/tunings", json={"grid": "narrow"})
+        assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "grid"]
+        assert "known: turnover, wide" in bad.json()["detail"][0]["msg"]
         bad = client.post("/v1/tunings", json={"confirm": "yes"})
         assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "confirm"]
         started = client.post("/v1/tunings", json={
@@ -311,31 +334,33 @@ def test_rest_tuning_publishes_its_recommendation(tmp_path):
         assert client.get("/v1/status").json()["recommendation"]["policy"] == "br0"
 
 
-def test_rest_tuning_passes_confirm_to_tune(tmp_path, monkeypatch):
+def test_rest_tuning_passes_confirm_and_the_grid_to_tune(tmp_path, monkeypatch):
     """``"confirm": true`` in the body reaches :func:`tune` (a spy on the real function);
-    absent, the default rule runs."""
+    absent, the default rule runs; ``"grid": "wide"`` stands for the wide grid's points."""
     import predictor.tuning as tuning
 
     seen = []
     real = tuning.tune
 
     def spy(*a, **k):
-        seen.append(k.get("confirm"))
+        seen.append((k.get("confirm"), k["grid"]))
         return real(*a, **k)
 
     monkeypatch.setattr(tuning, "tune", spy)
     trace = synthesize("synth:templated:n=120,seed=5")
     observations = _observations(trace)
     url = f"sqlite:///{tmp_path / 'confirm.db'}"
+    small = [{"horizon": 20, "beta": 8, "gamma": 0.9}]
     with TestClient(create_app(Settings(database_url=url))) as client:
         client.post("/v1/observations", json={"observations": observations}).raise_for_status()
-        for body in ({"confirm": True}, {}):
+        for body in ({"confirm": True}, {}, {"grid": "wide"}, {"grid": None}):
             started = client.post("/v1/tunings", json={
                 "workers": [2], "batch": 8, "load": "backlog", "requests": 100,
-                "grid": [{"horizon": 20, "beta": 8, "gamma": 0.9}], **body})
+                "grid": small, **body})
             job = wait(client, f"/v1/tunings/{started.json()['id']}")
             assert job["status"] == "done", job["error"]
-    assert seen == [True, False]
+    assert [c for c, _ in seen] == [True, False, False, False]
+    assert [g for _, g in seen] == [parse_grid(small)] * 2 + [GRIDS["wide"], DEFAULT_GRID]
 
 
 class Advising:

@@ -117,24 +117,31 @@ def tuned_eval():
     return tuned_eval
 
 
-def test_the_tool_tunes_by_the_rule_asked(tmp_path, monkeypatch, tuned_eval):
-    """--confirm reaches tune (a spy on the real function), and a run of the other rule on
-    the same draw is not skipped as done."""
+def test_the_tool_tunes_by_the_rule_asked(tmp_path, monkeypatch, capsys, tuned_eval):
+    """--confirm and --min-gain reach tune (a spy on the real function), a run of another rule
+    or gate on the same draw is not skipped as done, and the table names each pick."""
     seen = []
 
     def spy(*a, **k):
-        seen.append(k["confirm"])
+        seen.append((k["confirm"], k["min_gain"]))
         return tune(*a, **k)
 
     monkeypatch.setattr(tuned_eval, "tune", spy)
     out = tmp_path / "rows.jsonl"
-    for confirm in (True, False, True):
+    for confirm, gain in ((True, 0.001), (False, 0.001), (True, 0.001), (False, 0.0)):
         tuned_eval.run(argparse.Namespace(
             json=out, cells=["tpl:backlog"], workers=[2], seeds=1, requests=200, batch=8,
             estimator="exact_match", confirm=confirm, first_seed=1, grid="turnover",
-            subgrid=None))
-    assert seen == [True, False]  # the third run was done already
-    assert [json.loads(x)["confirm"] for x in out.read_text().splitlines()] == [True, False]
+            subgrid=None, min_gain=gain))
+    assert seen == [(True, 0.001), (False, 0.001), (False, 0.0)]  # the third was done
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["confirm"], x.get("min_gain")) for x in lines] == [
+        (True, None), (False, None), (False, 0.0)]
+    tuned_eval.table(argparse.Namespace(json=[out]))
+    names = {r.split(" | ")[2] for r in capsys.readouterr().out.splitlines()
+             if r.startswith("| tpl")}
+    assert {"tuned, turnover grid", "tuned, turnover grid, confirmed",
+            "tuned, turnover grid, min gain 0"} < names
 
 
 def test_the_subgrid_pick_is_tunings_rule_over_that_part_replayed_on_the_later_half(
@@ -154,7 +161,7 @@ def test_the_subgrid_pick_is_tunings_rule_over_that_part_replayed_on_the_later_h
     out = tmp_path / "rows.jsonl"
     args = argparse.Namespace(json=out, cells=["long:backlog"], workers=[2], seeds=1,
                               first_seed=3, requests=300, batch=8, estimator="exact_match",
-                              confirm=False, grid="wide", subgrid="turnover")
+                              confirm=False, grid="wide", subgrid="turnover", min_gain=0.001)
     tuned_eval.run(args)
     (line,) = [json.loads(x) for x in out.read_text().splitlines()]
     (result,) = results

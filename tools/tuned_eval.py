@@ -2,7 +2,7 @@
 
     python tools/tuned_eval.py run --json out.jsonl [--cells sharegpt:1.0,azure:1.0] \\
         [--workers 4,8,16] [--seeds 1] [--first-seed 1] [--requests 10000] \\
-        [--grid turnover|wide] [--subgrid turnover]
+        [--grid turnover|wide] [--subgrid turnover] [--min-gain 0.001]
     python tools/tuned_eval.py table --json out.jsonl [more.jsonl ...]
 
 For each cell (trace:load), G and replicate k: 2N requests in arrival order (real traces: a
@@ -20,6 +20,8 @@ outcomes: ``test_tuning_uses_only_the_past``). ``--grid`` names tuning's grid (d
 tuning's own, ``turnover``; rows without the field were tuned over ``wide``, the default before
 2026-12-07). ``--grid wide --subgrid turnover`` also judges the pick tuning's rule makes over
 the turnover grid alone, from the same ranking rows: both grids measured on the same draws.
+``--min-gain`` sets tuning's gate (the share of the bound BR-H must gain over BR-0 in every
+window; rows record it where it is not tuning's default).
 
 ``table`` reports per cell and G the recommendations and, for the tuned policy, the untuned
 learned one and the oracle, as ratios to BR-0 on the later N: throughput (``tok/s``), the share
@@ -45,7 +47,7 @@ import evalcli  # noqa: E402  (tools/ beside this script)
 from tracepaths import synth_spec, trace_file  # noqa: E402
 
 from predictor.estimators import estimator_spec  # noqa: E402
-from predictor.tuning import GRIDS, candidate_of, choose, replay, tune  # noqa: E402
+from predictor.tuning import GRIDS, MIN_GAIN, candidate_of, choose, replay, tune  # noqa: E402
 from router_client.admission import BalanceRouteParams  # noqa: E402
 from router_client.simulator import SimConfig, bound_share  # noqa: E402
 from router_client.traces import Trace, load_trace  # noqa: E402
@@ -85,6 +87,8 @@ def run(args: argparse.Namespace) -> None:
                 head = {"cell": cell, "workers": workers, "seed": seed,
                         "requests_asked": args.requests, "estimator": args.estimator,
                         "confirm": args.confirm, "grid": args.grid}
+                if args.min_gain != MIN_GAIN:
+                    head["min_gain"] = args.min_gain
                 if args.subgrid is not None:
                     head["subgrid"] = args.subgrid
                 if _run_key(head) in done:
@@ -106,6 +110,7 @@ def _judge(args: argparse.Namespace, trace_name: str, load: float | str, workers
     split = len(whole) // 2
     config = SimConfig(workers=workers, batch=args.batch, load=load, seed=seed)
     result = tune(whole, config, estimator=args.estimator, grid=GRIDS[args.grid],
+                  min_gain=args.min_gain,
                   holdout=(len(whole) - split) / len(whole), confirm=args.confirm)
     past = whole.head(split)
     later = whole.take(np.arange(split, len(whole)))
@@ -130,8 +135,9 @@ def _judge(args: argparse.Namespace, trace_name: str, load: float | str, workers
         # candidate's replays do not depend on the others, so it costs one more replay of the
         # later half at most
         part = {c.params(default) for c in GRIDS[args.subgrid]}
-        pick = choose([r for r in result.rows if candidate_of(r).params(default) in part])
-        rows[_pick_name(args.subgrid, False)] = later_of(pick.params(default))
+        pick = choose([r for r in result.rows if candidate_of(r).params(default) in part],
+                      args.min_gain)
+        rows[_pick_name(args.subgrid, False, args.min_gain)] = later_of(pick.params(default))
         extra = {"subgrid_pick": pick.label}
     return {"requests": [len(past), len(later)], "recommendation": result.recommendation,
             "confirmation": [{"setting": r["setting"], **_row(r)} for r in result.confirmation],
@@ -149,7 +155,8 @@ def table(args: argparse.Namespace) -> None:
     for path in args.json:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             row = json.loads(line)
-            name = _pick_name(row.get("grid", "wide"), row.get("confirm", False))
+            gain = row.get("min_gain", MIN_GAIN)
+            name = _pick_name(row.get("grid", "wide"), row.get("confirm", False), gain)
             # a draw is its cell, G, seed, halves and learner: runs of other sizes are others
             key = (row["cell"], row["workers"], row["seed"], tuple(row["requests"]),
                    row.get("estimator", "exact_match"))
@@ -163,7 +170,7 @@ def table(args: argparse.Namespace) -> None:
             merged["later"].update(later)
             merged["picks"][name] = candidate_of(row["recommendation"]).label
             if "subgrid" in row:
-                merged["picks"][_pick_name(row["subgrid"], False)] = row["subgrid_pick"]
+                merged["picks"][_pick_name(row["subgrid"], False, gain)] = row["subgrid_pick"]
     cells: dict[tuple[str, int, int], list[dict]] = defaultdict(list)
     for key, merged in sorted(draws.items()):
         cells[(key[0], key[1], key[3][0])].append(merged)  # draws of one size pool
@@ -174,16 +181,15 @@ def table(args: argparse.Namespace) -> None:
           "| share of the bound x BR-0 (min..max) | imbalance x BR-0 "
           "| gap closed (ratio of means) |")
     print("|---|---:|---|---:|---|---|---|---|---|")
-    order = (*(_pick_name(g, c) for g in GRIDS for c in (False, True)), "brh-oracle")
     for (name_of_cell, workers, half), runs in sorted(cells.items()):
         cell = (name_of_cell if len(sizes[(name_of_cell, workers)]) == 1
                 else f"{name_of_cell} (halves of {half})")
-        names = sorted({n for r in runs for n in r["later"] if n != "br0"},
-                       key=lambda n: (order.index(n) if n in order else len(order) - 1, n))
+        names = _policies(runs)
         oracle = np.mean([_ratio(r, "brh-oracle", "imbalance_maxmin_mean") for r in runs])
         for name in names:
             have = [r for r in runs if name in r["later"]]
-            picks = ", ".join(r["picks"][name] for r in have) if name in order[:-1] else ""
+            picks = (", ".join(r["picks"][name] for r in have) if name.startswith("tuned")
+                     else "")
             thr = np.array([_ratio(r, name, "throughput_tok_s") for r in have])
             share = np.array([_ratio(r, name, "bound_share") for r in have])
             imb = np.array([_ratio(r, name, "imbalance_maxmin_mean") for r in have])
@@ -192,14 +198,21 @@ def table(args: argparse.Namespace) -> None:
             print(f"| {cell} | {workers} | {name} | {len(have)} | {picks} | {thr.mean():.4f} "
                   f"({thr.min():.4f}..{thr.max():.4f}) | {share.mean():.4f} "
                   f"({share.min():.4f}..{share.max():.4f}) | {imb.mean():.3f} | {closed} |")
-    _summary(list(draws.values()), order)
+    _summary(list(draws.values()))
 
 
-def _summary(draws: list[dict], order: tuple[str, ...]) -> None:
+def _policies(draws: list[dict]) -> list[str]:
+    """The policies the draws replayed besides BR-0: tuning's picks, then the rest, the oracle
+    last."""
+    names = {n for d in draws for n in d["later"] if n != "br0"}
+    return sorted(names, key=lambda n: (0 if n.startswith("tuned") else 2 if n == "brh-oracle"
+                                        else 1, n))
+
+
+def _summary(draws: list[dict]) -> None:
     """Every draw pooled, once each: per policy the mean ratios to BR-0 and the draws below
     0.999x; and the same on the draws where every policy of the files was replayed (paired)."""
-    names = sorted({n for d in draws for n in d["later"] if n != "br0"},
-                   key=lambda n: (order.index(n) if n in order else len(order) - 1, n))
+    names = _policies(draws)
     paired = [d for d in draws if all(n in d["later"] for n in names)]
     print(f"\n| policy | draws | mean share x BR-0 (min) | mean tok/s x BR-0 (min) "
           f"| below 0.999x in share / tok/s | picked BR-H | on the {len(paired)} draws with "
@@ -211,7 +224,7 @@ def _summary(draws: list[dict], order: tuple[str, ...]) -> None:
         thr = np.array([_ratio(d, name, "throughput_tok_s") for d in have])
         both = np.array([_ratio(d, name, "bound_share") for d in paired])
         brh = (f"{sum(d['picks'][name] != 'br0' for d in have)} of {len(have)}"
-               if name in order[:-1] else "")
+               if name.startswith("tuned") else "")
         on_paired = f"{both.mean():.4f}, {(both < 0.999).sum()}" if len(both) else "-"
         print(f"| {name} | {len(have)} | {share.mean():.4f} ({share.min():.4f}) "
               f"| {thr.mean():.4f} ({thr.min():.4f}) | {(share < 0.999).sum()} / "
@@ -222,9 +235,10 @@ def _ratio(run: dict, name: str, key: str) -> float:
     return run["later"][name][key] / run["later"]["br0"][key]
 
 
-def _pick_name(grid: str, confirm: bool) -> str:
-    """The table's name for the pick of tuning over ``grid`` by a rule."""
-    return f"tuned, {grid} grid" + (", confirmed" if confirm else "")
+def _pick_name(grid: str, confirm: bool, min_gain: float = MIN_GAIN) -> str:
+    """The table's name for the pick of tuning over ``grid`` by a rule and gate."""
+    return (f"tuned, {grid} grid" + (", confirmed" if confirm else "")
+            + ("" if min_gain == MIN_GAIN else f", min gain {min_gain:g}"))
 
 
 def _run_key(row: dict) -> tuple:
@@ -232,7 +246,8 @@ def _run_key(row: dict) -> tuple:
     (rows from before ``requests_asked`` was kept: the first half's size)."""
     asked = row["requests_asked"] if "requests_asked" in row else row["requests"][0]
     return (row["cell"], row["workers"], row["seed"], asked, row.get("estimator", "exact_match"),
-            row.get("confirm", False), row.get("grid", "wide"), row.get("subgrid"))
+            row.get("confirm", False), row.get("grid", "wide"), row.get("subgrid"),
+            row.get("min_gain", MIN_GAIN))
 
 
 def main() -> None:
@@ -249,6 +264,8 @@ def main() -> None:
                     help="tune with the pick confirmed on a window that did not rank it")
     ap.add_argument("--grid", choices=sorted(GRIDS), default="turnover",
                     help="tuning's grid (default turnover, tuning's own)")
+    ap.add_argument("--min-gain", type=float, default=MIN_GAIN,
+                    help=f"tuning's gate (default {MIN_GAIN:g}, tuning's own)")
     ap.add_argument("--subgrid", choices=sorted(GRIDS),
                     help="also judge the pick tuning would make over this part of its grid "
                          "(turnover: BR-0 and the turnover-discount points)")

@@ -619,6 +619,13 @@ class GridPoint(_Closed):
         "BR-0 places it; null: the service's rule (BalanceRouteParams' default)")
 
 
+def _grid_names_schema(schema: dict) -> None:
+    """``grid``'s OpenAPI schema also admits the built-in grids' names (which the validator
+    turns into their points)."""
+    schema["anyOf"] = [*schema.get("anyOf", []), {"type": "string",
+                                                  "enum": ["turnover", "wide"]}]
+
+
 class TuningIn(ReplayIn):
     """Replay recent stored traffic over BR-0 and a grid of BR-H settings."""
 
@@ -629,11 +636,13 @@ class TuningIn(ReplayIn):
     requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] = 20_000
     estimator: str = Field("exact_match", description="the estimator BR-H would use")
     grid: list[GridPoint] | None = Field(
-        None, max_length=32, description="BR-H settings to try, or a built-in grid by name: "
-        "'turnover' (the default: the discount from the fleet's turnover) or 'wide' (with "
-        "fixed discounts too), which stands for its points; BR-0 always takes part")
+        None, min_length=1, max_length=32, json_schema_extra=_grid_names_schema,
+        description="BR-H settings to try, or a built-in grid by name: 'turnover' (the "
+        "default: the discount from the fleet's turnover) or 'wide' (with fixed discounts "
+        "too), which stands for its points; BR-0 always takes part")
     min_gain: Annotated[float, Field(ge=0, le=0.5)] = Field(
-        0.001, description="BR-H is recommended only if it beats BR-0's throughput by this")
+        0.001, description="BR-H is recommended only if it beats BR-0's share of the balanced "
+        "bound by this fraction, with no less throughput and no more imbalance, in every window")
     confirm: Annotated[bool, Field(strict=True)] = Field(
         False, description="rank the grid on the earlier of two windows of the replayed "
         "traffic and recommend its pick only if it wins again on the later window, which "
@@ -643,8 +652,10 @@ class TuningIn(ReplayIn):
     @classmethod
     def _named_grid(cls, value: object) -> object:
         """A built-in grid's name stands for its BR-H points."""
-        if not isinstance(value, str):
+        if value is None or isinstance(value, list):
             return value
+        if not isinstance(value, str):
+            raise ValueError("must be a list of points or a grid's name (turnover, wide)")
         from .tuning import GRIDS, points_of
 
         if value not in GRIDS:

@@ -96,9 +96,9 @@ TURNOVER_GRID: tuple[Candidate, ...] = (
 # steps) and a slow one (about 33 steps), and the paper's deployment point (H 80, beta 43,
 # gamma 0.86). Judged on later traffic every pick of it below 0.999x BR-0's share of the bound
 # was a fixed-discount point (4 of 85 draws, down to 0.9960x: the best of a dozen noisy
-# replays picked for its luck); on 45 draws at G = 4, 8 and 16 that did not suggest the change,
-# the turnover grid's picks were never below 0.9998x (mean 1.0012x, the wide grid's 1.0016x
-# with two below): README, "Tuning judged on later traffic".
+# replays picked for its luck); on 45 draws at G = 4, 8 and 16 (35 new, 10 the lead's), the
+# turnover grid's picks were never below 0.9998x (mean 1.0012x, the wide grid's 1.0016x with
+# two below): README, "Tuning's default grid: the turnover discount only".
 WIDE_GRID: tuple[Candidate, ...] = (
     *TURNOVER_GRID,
     *(Candidate("brh", h, None, g) for h in (20, 80, 200) for g in (0.86, 0.97)),
@@ -224,10 +224,10 @@ def _choose(ranked: list[dict], min_gain: float) -> Candidate:
 
 
 def choose(rows: Sequence[dict], min_gain: float = MIN_GAIN) -> Candidate:
-    """What tuning recommends from its rows (in any order): the best-ranked BR-H setting that
-    beats BR-0 in every window (:func:`_choose`), else BR-0. A part of a grid's rows gives the
-    pick tuning would have made over that part alone: each candidate's replays do not depend on
-    the others."""
+    """What tuning recommends from its rows, given in grid order (rows that tie on every figure
+    keep it, as in :func:`tune`): the best-ranked BR-H setting that beats BR-0 in every window
+    (:func:`_choose`), else BR-0. A part of a grid's rows gives the pick tuning would have made
+    over that part alone: each candidate's replays do not depend on the others."""
     return _choose(_rank(list(rows)), min_gain)
 
 

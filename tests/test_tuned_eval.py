@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from predictor.tuning import GRIDS, candidate_of, choose, replay, tune
+from predictor.tuning import GRIDS, Candidate, candidate_of, choose, replay, tune
 from router_client.admission import TURNOVER, BalanceRouteParams
 from router_client.simulator import SimConfig
 from router_client.traces import load_trace
@@ -202,3 +202,37 @@ def test_the_subgrid_pick_is_tunings_rule_over_that_part_replayed_on_the_later_h
         refused = subprocess.run([*TOOL, "run", "--json", str(out), "--subgrid", "turnover",
                                   *bad], capture_output=True, text=True, cwd=ROOT)
         assert refused.returncode != 0 and "a part of --grid" in refused.stderr
+
+
+def test_a_subgrid_pick_of_its_own_is_replayed_on_the_later_half(tmp_path, monkeypatch,
+                                                                   tuned_eval):
+    """Where the subgrid's pick is neither the grid's pick, BR-0 nor the defaults, it is
+    replayed on the later half with the learner warmed on the past (the pick forced: a spy
+    keeps what tuning's rule chose)."""
+    forced = Candidate("brh", 200, None, TURNOVER)
+    chosen = []
+
+    def forcing(rows, min_gain):
+        chosen.append(choose(rows, min_gain))
+        return forced
+
+    monkeypatch.setattr(tuned_eval, "choose", forcing)
+    out = tmp_path / "rows.jsonl"
+    tuned_eval.run(argparse.Namespace(
+        json=out, cells=["tpl:backlog"], workers=[2], seeds=1, first_seed=1, requests=200,
+        batch=8, estimator="exact_match", confirm=False, grid="wide", subgrid="turnover",
+        min_gain=0.001))
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(chosen) == 1 and line["subgrid_pick"] == forced.label
+    default = BalanceRouteParams()
+    assert forced.params(default) not in (
+        default, candidate_of(line["recommendation"]).params(default))
+    whole = load_trace("synth:templated:seed=1", requests=400)
+    config = SimConfig(workers=2, batch=8, load="backlog", seed=1)
+    again = replay(whole.take(np.arange(200, 400)), "brh-exactmatch", forced.params(default),
+                   config, warm=whole.head(200))
+    mine = line["later"]["tuned, turnover grid"]
+    assert (mine["throughput_tok_s"], mine["requests"]) == (again["throughput_tok_s"], 200)
+    cold = replay(whole.take(np.arange(200, 400)), "brh-exactmatch", forced.params(default),
+                  config)
+    assert mine["throughput_tok_s"] != cold["throughput_tok_s"]  # the learner was warmed

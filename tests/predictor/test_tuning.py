@@ -201,7 +201,19 @@ def test_a_part_of_the_grid_is_chosen_from_the_full_grids_rows():
     # here the full grid's pick is a fixed-discount point and the part's is BR-0: the
     # turnover point wins the first window, not the second
     assert (full.recommendation["horizon"], alone.recommendation) == (20, {"policy": "br0"})
-    assert choose(kept, min_gain=-1.0) == choose(list(reversed(kept)), min_gain=-1.0)
+    # the ranking, not the order given, decides; rows that tie on every figure keep the order
+    assert choose(list(reversed(full.rows))) == choose(full.rows)
+    br0 = next(r for r in full.rows if r["policy"] == "br0")
+
+    def ahead(row):  # 1% more throughput against the same bound
+        return {**row, "throughput_tok_s": row["throughput_tok_s"] * 1.01,
+                "bound_share": row["bound_share"] * 1.01}
+
+    better = {**ahead(br0), "policy": "brh", "horizon": 80, "beta": None, "gamma": TURNOVER,
+              "windows": [ahead(w) for w in br0["windows"]]}
+    tied = [{**better, "learned_short_pool": pool} for pool in (False, True)]
+    assert choose([br0, *tied]).learned_short_pool is False
+    assert choose([br0, *reversed(tied)]).learned_short_pool is True
 
 
 def test_tune_command_confirm_prints_the_confirmation(tmp_path, capsys, monkeypatch):
@@ -308,6 +320,12 @@ def test_rest_tuning_publishes_its_recommendation(tmp_path):
         bad = client.post("/v1/tunings", json={"grid": "narrow"})
         assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "grid"]
         assert "known: turnover, wide" in bad.json()["detail"][0]["msg"]
+        for grid in ([], 5):  # an empty list is not taken for the default
+            bad = client.post("/v1/tunings", json={"grid": grid})
+            assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "grid"]
+        schema = client.get("/openapi.json").json()["components"]["schemas"]["TuningIn"]
+        names = [a["enum"] for a in schema["properties"]["grid"]["anyOf"] if "enum" in a]
+        assert names == [list(GRIDS)]  # the names a client may send are the built-in grids
         bad = client.post("/v1/tunings", json={"confirm": "yes"})
         assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "confirm"]
         started = client.post("/v1/tunings", json={

@@ -622,8 +622,9 @@ class GridPoint(_Closed):
 def _grid_names_schema(schema: dict) -> None:
     """``grid``'s OpenAPI schema also admits the built-in grids' names (which the validator
     turns into their points)."""
-    schema["anyOf"] = [*schema.get("anyOf", []), {"type": "string",
-                                                  "enum": ["turnover", "wide"]}]
+    from .tuning import GRIDS
+
+    schema["anyOf"] = [*schema.get("anyOf", []), {"type": "string", "enum": list(GRIDS)}]
 
 
 class TuningIn(ReplayIn):
@@ -654,10 +655,10 @@ class TuningIn(ReplayIn):
         """A built-in grid's name stands for its BR-H points."""
         if value is None or isinstance(value, list):
             return value
-        if not isinstance(value, str):
-            raise ValueError("must be a list of points or a grid's name (turnover, wide)")
         from .tuning import GRIDS, points_of
 
+        if not isinstance(value, str):
+            raise ValueError(f"must be a list of points or a grid's name ({', '.join(GRIDS)})")
         if value not in GRIDS:
             raise ValueError(f"unknown grid {value!r}; known: {', '.join(GRIDS)}, or a list "
                              "of points")

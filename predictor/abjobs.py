@@ -96,6 +96,9 @@ _LATER_OPTIONS = ("short_pool_growth", "zero_gamma_rules", "myopic_horizon", "ow
 
 
 def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
+    warm = None
+    if request.get("warm_requests"):  # jobs stored before the field lack it
+        warm, trace = trace.split(request["warm_requests"], "warm_requests")
     comparison = abtest.run_comparison(
         trace, request["policies"], request["workers"], _config(request), progress,
         params=BalanceRouteParams(stage1=request["stage1"],
@@ -105,7 +108,8 @@ def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
                                   guard=request.get("guard"),
                                   patience=request.get("patience"),
                                   **{name: request.get(name, getattr(BalanceRouteParams, name))
-                                     for name in _LATER_OPTIONS}))
+                                     for name in _LATER_OPTIONS}),
+        warm=warm)
     return comparison.rows
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from router_client.admission import BalanceRouteParams
 from router_client.errors import UnknownPolicyError
 from router_client.policies import make_policy, policy_specs
-from router_client.predictors import OraclePredictor, Predictor
+from router_client.predictors import FinishedBatch, OraclePredictor, Predictor
 from router_client.simulator import SimConfig, SimResult, bound_share, simulate
 from router_client.traces import Trace
 
@@ -74,6 +74,16 @@ def make_predictor(policy: str, trace: Trace, settings: Settings | None = None
     return LearnerPredictor(spec.build(settings)) if spec is not None else None
 
 
+def warm_up(predictor: Predictor | None, past: Trace | None) -> None:
+    """Teach ``predictor`` the requests of ``past`` as finished, before a replay of the
+    traffic after them (a running service's state); nothing without a learner or a past."""
+    if predictor is None or past is None:
+        return
+    predictor.observe(FinishedBatch(
+        np.arange(len(past)), past.prompt_tokens, past.output_tokens, past.censored,
+        list(past.prompt_keys)))
+
+
 def http_predictor_factory(url: str, run_tag: str, timeout_s: float = 0.5,
                            token: str | None = None) -> Callable[[str, Trace], Predictor | None]:
     """BR-H policies query a running prediction service (the production code path);
@@ -112,10 +122,14 @@ def run_comparison(
     progress: Callable[[float, str], None] | None = None,
     predictor_factory: Callable[[str, Trace], Predictor | None] = make_predictor,
     params: BalanceRouteParams | None = None,
+    warm: Trace | None = None,
 ) -> Comparison:
     """Replay ``trace`` through every (workers, policy); rows in that order.
 
     ``params`` configures BR-0 and BR-H (its horizon is the simulation's ``config.horizon``).
+    ``warm``: requests that finished before ``trace`` began; every run's learner knows them
+    before its replay starts, as a running service's would (true lengths and the policies
+    without a predictor ignore them). Each row then says how many (``warm_requests``).
     """
     validate_policies(policies)
     params = replace(params or BalanceRouteParams(), horizon=config.horizon)
@@ -133,6 +147,7 @@ def run_comparison(
         policy = make_policy(name, seed=config.seed, params=params)
         predictor = predictor_factory(name, trace)
         try:
+            warm_up(predictor, warm)
             result: SimResult = simulate(trace, policy, replace(config, workers=g), predictor,
                                          report)
         finally:
@@ -140,6 +155,8 @@ def run_comparison(
             if close is not None:
                 close()
         result.row["fallback_switches"] = len(result.switches)
+        if warm is not None:
+            result.row["warm_requests"] = len(warm)
         rows.append(result.row)
         if result.switches:
             switches[(g, name)] = result.switches

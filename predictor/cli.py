@@ -251,6 +251,11 @@ def _add_ab(sub) -> None:
                     help="replay N requests drawn at random (seeded by --seed, kept in order); "
                     "with --peer drawn as the BF-IO simulator draws them: in random order, "
                     "with replacement when the trace has fewer than N")
+    ab.add_argument("--warm", type=int, default=None, metavar="N",
+                    help="the first N requests (after --requests and --sample) are the past: "
+                    "every learner (brh-<estimator>) knows them as finished before its replay, "
+                    "as a running service would, and the requests after them are replayed "
+                    "(by every policy; default: none, learners start empty)")
     ab.add_argument("--peer", action="store_true",
                     help="the BF-IO simulator's setting: --load backlog (the pool kept at the "
                     "first 4G waiting requests), --batch 72, --step-cost 1.0052e-7,0.0048875")
@@ -425,6 +430,31 @@ PEER_BATCH = 72
 PEER_STEP_COST = (1.0052e-7, 0.0048875)
 
 
+def _ab_params(args: argparse.Namespace) -> BalanceRouteParams:
+    """The BR parameters ``ab``'s options set (its horizon is the simulation's)."""
+    return BalanceRouteParams(beta=args.beta, gamma=args.gamma, r_max=args.rmax,
+                              learned_beta_scale=args.learned_beta_scale,
+                              turnover_scale=args.turnover_scale,
+                              s_greedy=args.s_greedy, stage1=args.stage1,
+                              candidate_life=args.candidate_life, refill=args.refill,
+                              end_points=args.end_points, end_shape=args.end_shape,
+                              expected_overflow=args.expected_overflow,
+                              marginal_overflow=args.marginal_overflow,
+                              learned_short_pool=args.learned_short_pool,
+                              short_pool=args.short_pool,
+                              short_pool_growth=args.short_pool_growth,
+                              stage2_order=args.stage2_order,
+                              stage2_fill=args.stage2_fill,
+                              stage2_revisit=args.stage2_revisit,
+                              fit_horizon=args.fit_horizon, guard=args.guard,
+                              patience=args.patience,
+                              zero_gamma_rules=args.zero_gamma_rules,
+                              myopic_horizon=args.myopic_horizon,
+                              own_wait_horizon=args.own_wait_horizon,
+                              own_wait_learned=args.own_wait_learned,
+                              br0_check=args.br0_check)
+
+
 def cmd_ab(args: argparse.Namespace) -> int:
     abtest.validate_policies(args.policies)
     if args.peer:
@@ -434,6 +464,12 @@ def cmd_ab(args: argparse.Namespace) -> int:
         # the peer's draw (random order, with replacement past the trace's length) under
         # --peer; otherwise a sample in trace order, arrival times kept
         trace = (trace.draw if args.peer else trace.sample)(args.sample, args.seed)
+    warm = None
+    if args.warm is not None:
+        if args.predictor_url:
+            raise ParameterError("--warm", "warms the in-process learners; a service at "
+                                 "--predictor-url knows what it has stored")
+        warm, trace = trace.split(args.warm)
     config = SimConfig(
         batch=args.batch, load=args.load, step_cost=args.step_cost, horizon=args.horizon,
         refresh_steps=args.refresh_steps, seed=args.seed, record_trajectory=args.out is not None,
@@ -447,30 +483,12 @@ def cmd_ab(args: argparse.Namespace) -> int:
     comparison = abtest.run_comparison(
         trace, args.policies, args.workers, config, Progress(not args.quiet),
         predictor_factory=factory,
-        params=BalanceRouteParams(beta=args.beta, gamma=args.gamma, r_max=args.rmax,
-                                  learned_beta_scale=args.learned_beta_scale,
-                                  turnover_scale=args.turnover_scale,
-                                  s_greedy=args.s_greedy, stage1=args.stage1,
-                                  candidate_life=args.candidate_life, refill=args.refill,
-                                  end_points=args.end_points, end_shape=args.end_shape,
-                                  expected_overflow=args.expected_overflow,
-                                  marginal_overflow=args.marginal_overflow,
-                                  learned_short_pool=args.learned_short_pool,
-                                  short_pool=args.short_pool,
-                                  short_pool_growth=args.short_pool_growth,
-                                  stage2_order=args.stage2_order,
-                                  stage2_fill=args.stage2_fill,
-                                  stage2_revisit=args.stage2_revisit,
-                                  fit_horizon=args.fit_horizon, guard=args.guard,
-                                  patience=args.patience,
-                                  zero_gamma_rules=args.zero_gamma_rules,
-                                  myopic_horizon=args.myopic_horizon,
-                                  own_wait_horizon=args.own_wait_horizon,
-                                  own_wait_learned=args.own_wait_learned,
-                                  br0_check=args.br0_check),
+        params=_ab_params(args),
+        warm=warm,
     )
-    print(f"trace {args.trace}: {len(trace)} requests, load {args.load}, B={args.batch}, "
-          f"step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")
+    after = f" (after the {len(warm)} that warmed the learners)" if warm is not None else ""
+    print(f"trace {args.trace}: {len(trace)} requests{after}, load {args.load}, "
+          f"B={args.batch}, step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")
     print(abtest.format_table(comparison.rows))
     for note in (abtest.uncontended_note(comparison.rows), abtest.window_note(comparison.rows)):
         if note:

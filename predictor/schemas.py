@@ -507,6 +507,12 @@ class AbComparisonIn(ReplayIn):
     workers: list[Workers] = Field(default_factory=lambda: [8], min_length=1, max_length=8)
     horizon: Horizon = 80
     requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] | None = None
+    warm_requests: Annotated[int, Field(strict=True, ge=1, le=199_999)] | None = Field(
+        None, description="the first this many requests (of the trace, or of the stored "
+        "observations in completion order) are the past: every learner knows them as "
+        "finished before its replay, as a running service would, and only the requests "
+        "after them are replayed, by every policy (null, the default: learners start empty "
+        "and the whole trace is replayed); must leave at least one request to replay")
     stage1: Stage1Rule = "auto"
     short_pool: ShortPoolRule = Field(
         BalanceRouteParams.short_pool,
@@ -605,6 +611,10 @@ class AbComparisonIn(ReplayIn):
     def _one_source(self) -> AbComparisonIn:
         if (self.trace is None) == (self.source is None):
             raise ValueError("give exactly one of 'source' and 'trace'")
+        if (self.warm_requests is not None and self.requests is not None
+                and self.warm_requests >= self.requests):
+            raise ValueError(f"warm_requests ({self.warm_requests}) must be below requests "
+                             f"({self.requests}): some must be left to replay")
         return self
 
 

@@ -30,11 +30,10 @@ import numpy as np
 from router_client.admission import TURNOVER, BalanceRouteParams, gamma_value
 from router_client.errors import ParameterError
 from router_client.policies import make_policy
-from router_client.predictors import FinishedBatch
 from router_client.simulator import SimConfig, bound_share, simulate
 from router_client.traces import Trace
 
-from .abtest import make_predictor, uncontended_note
+from .abtest import make_predictor, uncontended_note, warm_up
 from .estimators import estimator_spec
 from .settings import Settings
 
@@ -180,10 +179,7 @@ def replay(trace: Trace, policy_name: str, params: BalanceRouteParams, config: S
     policy = make_policy(policy_name, seed=config.seed, params=params)
     run_config = replace(config, horizon=max(params.horizon, 1))
     predictor = make_predictor(policy_name, trace, settings)
-    if predictor is not None and warm is not None:
-        predictor.observe(FinishedBatch(
-            np.arange(len(warm)), warm.prompt_tokens, warm.output_tokens, warm.censored,
-            list(warm.prompt_keys)))
+    warm_up(predictor, warm)
     return simulate(trace, policy, run_config, predictor, progress).row
 
 
@@ -344,7 +340,7 @@ def tune(trace: Trace, config: SimConfig, estimator: str = "exact_match",
     result = TuningResult(ranked, recommendation_of(chosen, estimator, base),
                           confirmation=confirmation)
     if holdout > 0:
-        later = trace.take(np.arange(split, len(trace)))  # replays shift times to 0
+        later = trace.split(split, "holdout")[1]  # replays shift times to 0
         result.evaluation = [
             _replay(later, c, config, base, estimator, settings, None, warm=past)
             for c in dict.fromkeys([Candidate("br0"), chosen])]

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from .errors import TraceError, TraceFormatError
+from .errors import ParameterError, TraceError, TraceFormatError
 
 FORMATS = ("auto", "azure", "mooncake", "sharegpt", "burstgpt", "csv")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -122,6 +122,15 @@ class Trace:
         period = (last - first) * len(self) / max(len(self) - 1, 1)  # the span and one gap
         shift = np.repeat(np.arange(copies) * period, len(self))[:n]
         return replace(tiled, arrival_s=tiled.arrival_s + shift)
+
+    def split(self, n: int, what: str = "--warm") -> tuple[Trace, Trace]:
+        """The first ``n`` requests (the past) and the rest (the traffic after it, arrival
+        times as they were: a replay shifts them to 0). ``what`` names the setting in the
+        error when either part would be empty."""
+        if n < 1 or n >= len(self):
+            raise ParameterError(what, f"{n}: must be at least 1 and below the {len(self)} "
+                                 "requests of the trace (some must be left to replay)")
+        return self.head(n), self.take(np.arange(n, len(self)))
 
     def take(self, rows: np.ndarray) -> Trace:
         """The requests at ``rows`` (in that order)."""

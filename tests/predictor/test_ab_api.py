@@ -1,6 +1,7 @@
 import json
 import time
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -349,6 +350,11 @@ def test_replaying_the_services_own_observations(tmp_path):
         job = wait(c, c.post("/v1/ab-comparisons", json={
             "source": "observations", "policies": ["jsq", "br0"], "workers": [2],
             "batch": 8}).json()["id"])
+        # more to warm on than is stored: the job fails saying so, the service goes on
+        short = wait(c, c.post("/v1/ab-comparisons", json={
+            "source": "observations", "warm_requests": 200}).json()["id"])
+        assert short["status"] == "failed"
+        assert "warm_requests: 200: must be at least 1 and below the 200" in short["error"]
     assert job["status"] == "done"
     assert [r["policy"] for r in job["results"]] == ["jsq", "br0"]
     assert all(r["completed"] == 200 for r in job["results"])
@@ -439,3 +445,85 @@ def test_stage2_revisit_over_rest_and_cli(tmp_path):
         ("on", True, ["--stage2-revisit"])),
         refused=("yes", 1), load=1.0, policies=("br0",))
     assert rows["on"][0] != rows["off"][0]
+
+
+def test_warm_requests_over_rest_and_cli(tmp_path):
+    """``warm_requests`` (REST) and ``--warm`` (CLI) replay only the requests after the first
+    N, every learner knowing those N as finished: equal rows, each saying how many; BR-0
+    ignores the past (its row is a plain replay of the rest) while the learner uses it (its
+    row is the replay of the rest with a learner warmed on the past, not one starting empty);
+    a count that leaves nothing to replay is a 422 naming the field."""
+    from predictor.tuning import replay
+    from router_client.admission import BalanceRouteParams
+    from router_client.simulator import SimConfig
+
+    content = csv_trace(n=600)
+    (tmp_path / "t.csv").write_text(content)
+    common = {"policies": ["br0", "brh-exactmatch"], "workers": [4], "batch": 8,
+              "load": "backlog", "trace": {"format": "csv", "content": content}}
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'w.db'}"))) as c:
+        job = wait(c, c.post("/v1/ab-comparisons", json={**common, "warm_requests": 250})
+                   .json()["id"])
+        assert job["status"] == "done", job
+        for fields in ({"warm_requests": 600}, {"warm_requests": 0},
+                       {"warm_requests": 200, "requests": 200}):
+            refused = c.post("/v1/ab-comparisons", json={**common, **fields})
+            assert refused.status_code == 422, fields
+            assert "warm_requests" in refused.text
+    rows = timeless(job["results"])
+    assert [(r["warm_requests"], r["requests"]) for r in rows] == [(250, 350)] * 2
+    main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "br0,brh-exactmatch",
+          "--workers", "4", "--batch", "8", "--load", "backlog", "--warm", "250", "--quiet",
+          "--json", str(tmp_path / "cli.json")])
+    assert timeless(json.loads((tmp_path / "cli.json").read_text())) == rows
+    past, rest = load_trace(str(tmp_path / "t.csv"), "csv").split(250)
+    config = SimConfig(workers=4, batch=8, load="backlog")
+    params = BalanceRouteParams()
+
+    def same(row, expected):
+        return all(row[k] == expected[k] for k in ("throughput_tok_s", "imbalance_maxmin_mean",
+                                                    "completed", "requests"))
+
+    assert same(rows[0], replay(rest, "br0", params, config))
+    assert same(rows[1], replay(rest, "brh-exactmatch", params, config, warm=past))
+    assert not same(rows[1], replay(rest, "brh-exactmatch", params, config))
+
+
+def test_warm_learners_know_the_past_before_the_first_answer_and_nothing_after_it():
+    """No peeking with a warmed learner: before its first answer it has been told exactly the
+    past's requests, and afterwards only the replayed requests that finished."""
+    from predictor import abtest
+    from router_client.simulator import SimConfig
+
+    trace = synthesize("synth:templated:n=400,seed=3")
+    past, rest = trace.split(150)
+    told, answers = [], []
+
+    class Spy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def observe(self, finished):
+            told.append((len(answers), finished))
+            self.inner.observe(finished)
+
+        def predict(self, batch, horizon):
+            answers.append(batch.request_ids.copy())
+            return self.inner.predict(batch, horizon)
+
+    def factory(policy, replayed):
+        return Spy(abtest.make_predictor(policy, replayed))
+
+    comparison = abtest.run_comparison(rest, ["brh-exactmatch"], [4],
+                                       SimConfig(batch=8, load="backlog"),
+                                       predictor_factory=factory, warm=past)
+    assert comparison.rows[0]["warm_requests"] == 150
+    first_answer, first = told[0]
+    assert first_answer == 0 and answers  # told before it answered anything
+    np.testing.assert_array_equal(first.output_tokens, past.output_tokens)
+    np.testing.assert_array_equal(first.prompt_tokens, past.prompt_tokens)
+    assert first.prompt_keys == past.prompt_keys
+    later = np.concatenate([f.request_ids for _, f in told[1:]])  # the replay's own ids
+    assert sorted(later.tolist()) == list(range(len(rest)))  # each once, as it finished
+    np.testing.assert_array_equal(
+        np.concatenate([f.output_tokens for _, f in told[1:]]), rest.output_tokens[later])

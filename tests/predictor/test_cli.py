@@ -179,6 +179,13 @@ def test_ab_rejects_bad_parameters(capsys):
                      "--quiet"]) == 1
         assert "learned_beta_scale: must be a number > 0 and at most 1e+06" in \
             capsys.readouterr().err
+    for warm in ("0", "10", "-3"):  # nothing would be left to replay, or no past
+        assert main(["ab", "--trace", "synth:long:n=10", "--warm", warm, "--quiet"]) == 1
+        assert f"--warm: {warm}: must be at least 1 and below the 10 requests" in \
+            capsys.readouterr().err
+    assert main(["ab", "--trace", "synth:long:n=10", "--warm", "5", "--predictor-url",
+                 "http://127.0.0.1:9", "--quiet"]) == 1
+    assert "--warm: warms the in-process learners" in capsys.readouterr().err
 
 
 def test_ab_peer_setting_and_sampling(tmp_path):

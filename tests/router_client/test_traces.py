@@ -354,3 +354,18 @@ def test_first_requests_as_the_parser_counts_them(tmp_path, name, text):
         assert head.prompt_keys == expected.prompt_keys
         if expected.arrival_s is not None:
             assert head.arrival_s.tolist() == expected.arrival_s.tolist()
+
+
+def test_split_is_the_past_and_the_traffic_after_it():
+    from router_client.errors import ParameterError
+
+    trace = synthesize("synth:templated:n=50,seed=1")
+    past, rest = trace.split(20)
+    assert (len(past), len(rest)) == (20, 30)
+    np.testing.assert_array_equal(np.concatenate([past.output_tokens, rest.output_tokens]),
+                                  trace.output_tokens)
+    np.testing.assert_array_equal(rest.arrival_s, trace.arrival_s[20:])
+    assert past.prompt_keys + rest.prompt_keys == trace.prompt_keys
+    for n in (0, 50, 51):
+        with pytest.raises(ParameterError, match=f"warm_requests: {n}: .*below the 50"):
+            trace.split(n, "warm_requests")

@@ -251,6 +251,10 @@ def _add_ab(sub) -> None:
                     help="replay N requests drawn at random (seeded by --seed, kept in order); "
                     "with --peer drawn as the BF-IO simulator draws them: in random order, "
                     "with replacement when the trace has fewer than N")
+    ab.add_argument("--skip", type=int, default=None, metavar="N",
+                    help="leave out the first N requests (after --requests and --sample): the "
+                    "replay starts after them, every learner empty (with --warm, the past is "
+                    "the requests right after the skipped ones)")
     ab.add_argument("--warm", type=int, default=None, metavar="N",
                     help="the first N requests (after --requests and --sample) are the past: "
                     "every learner (brh-<estimator>) knows them as finished before its replay, "
@@ -464,6 +468,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
         # the peer's draw (random order, with replacement past the trace's length) under
         # --peer; otherwise a sample in trace order, arrival times kept
         trace = (trace.draw if args.peer else trace.sample)(args.sample, args.seed)
+    if args.skip is not None:
+        trace = trace.split(args.skip, "--skip")[1]
     warm = None
     if args.warm is not None:
         if args.predictor_url:
@@ -486,8 +492,9 @@ def cmd_ab(args: argparse.Namespace) -> int:
         params=_ab_params(args),
         warm=warm,
     )
-    after = f" (after the {len(warm)} that warmed the learners)" if warm is not None else ""
-    print(f"trace {args.trace}: {len(trace)} requests{after}, load {args.load}, "
+    skipped = f" after the first {args.skip} skipped" if args.skip else ""
+    warmed = f" (after the {len(warm)} that warmed the learners)" if warm is not None else ""
+    print(f"trace {args.trace}: {len(trace)} requests{skipped}{warmed}, load {args.load}, "
           f"B={args.batch}, step cost {args.step_cost[0]:g}*max_load + {args.step_cost[1]:g} s")
     print(abtest.format_table(comparison.rows))
     for note in (abtest.uncontended_note(comparison.rows), abtest.window_note(comparison.rows)):

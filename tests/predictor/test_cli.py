@@ -267,3 +267,28 @@ def test_serve_help_gives_each_settings_default_derived_ones_in_words(capsys):
     assert "[536870912, or max_body_bytes if larger]" in shown
     assert "[a quarter of calibration_max_pending]" in shown
     assert "BALANCEROUTE_API_TOKEN                      [unset]" in shown
+
+
+def test_ab_skip_replays_the_rest_with_learners_starting_empty(tmp_path):
+    """``--skip N`` replays what follows the first N requests, as a replay of that part alone
+    (learners empty); with ``--warm M`` the past is the M right after the skipped ones."""
+    from predictor.tuning import replay
+    from router_client.admission import BalanceRouteParams
+    from router_client.simulator import SimConfig
+    from router_client.synth import synthesize
+
+    spec = "synth:templated:n=500,seed=4"
+    common = ["ab", "--trace", spec, "--policies", "brh-exactmatch", "--workers", "4",
+              "--batch", "8", "--load", "backlog", "--quiet", "--json"]
+    assert main([*common, str(tmp_path / "skip.json"), "--skip", "200"]) == 0
+    assert main([*common, str(tmp_path / "both.json"), "--skip", "200", "--warm", "100"]) == 0
+    _, rest = synthesize(spec).split(200)
+    past, after = rest.split(100)
+    config, params = SimConfig(workers=4, batch=8, load="backlog"), BalanceRouteParams()
+    for name, expected in (("skip", replay(rest, "brh-exactmatch", params, config)),
+                           ("both", replay(after, "brh-exactmatch", params, config,
+                                           warm=past))):
+        row = json.loads((tmp_path / f"{name}.json").read_text())[0]
+        assert (row["requests"], row["throughput_tok_s"], row["imbalance_maxmin_mean"]) == (
+            expected["requests"], expected["throughput_tok_s"],
+            expected["imbalance_maxmin_mean"]), name

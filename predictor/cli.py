@@ -31,6 +31,7 @@ from router_client.simulator import DEFAULT_STEP_COST, SimConfig, check_load, pa
 from router_client.traces import FORMATS, Trace, load_trace
 
 from . import abtest, evaluate
+from .tuning import DEFAULT_GRID, GRIDS, MIN_GAIN
 
 
 def bundled_trace() -> Path:
@@ -334,14 +335,15 @@ def _add_tune(sub) -> None:
     tune.add_argument("--holdout", type=float, default=0.0,
                       help="share of the trace (the latest requests) kept out of tuning and "
                       "used to check the recommendation against BR-0 (default 0)")
-    tune.add_argument("--grid", default="turnover", choices=("turnover", "wide"),
+    tune.add_argument("--grid", default=next(n for n, g in GRIDS.items() if g == DEFAULT_GRID),
+                      choices=list(GRIDS),
                       help="the settings replayed: turnover (BR-0 and BR-H with the discount "
                       "from the fleet's turnover, the default) or wide (those and fixed "
                       "discounts: more chances to gain, and to pick a lucky replay)")
-    tune.add_argument("--min-gain", type=float, default=0.001,
+    tune.add_argument("--min-gain", type=float, default=MIN_GAIN,
                       help="BR-H must beat BR-0's share of the balanced bound by this "
                       "fraction, with no less throughput and no more imbalance (default "
-                      "0.001)")
+                      f"{MIN_GAIN:g})")
     tune.add_argument("--windows", type=int, default=2,
                       help="replay the past in this many consecutive windows, each with the "
                       "learner warmed on the ones before (default 2; 1: one replay); BR-H "
@@ -527,7 +529,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .tuning import GRIDS, tune
+    from .tuning import tune
 
     trace = load_trace(args.trace, args.format, args.requests)
     config = SimConfig(workers=args.workers, batch=args.batch, load=args.load, seed=args.seed)

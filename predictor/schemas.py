@@ -47,6 +47,7 @@ from router_client.simulator import (
 from router_client.traces import key_of_text
 
 from .estimators import estimator_names
+from .tuning import MIN_GAIN
 
 # Lengths are bounded so that no input can blow up a learner's arrays or a 32-bit column.
 MAX_TOKENS = 1_048_576
@@ -648,11 +649,13 @@ class TuningIn(ReplayIn):
     estimator: str = Field("exact_match", description="the estimator BR-H would use")
     grid: list[GridPoint] | None = Field(
         None, min_length=1, max_length=32, json_schema_extra=_grid_names_schema,
+        validate_default=True,
         description="BR-H settings to try, or a built-in grid by name: 'turnover' (the "
         "default: the discount from the fleet's turnover) or 'wide' (with fixed discounts "
-        "too), which stands for its points; BR-0 always takes part")
+        "too), which stands for its points (a job's stored request lists them; null is the "
+        "default); BR-0 always takes part")
     min_gain: Annotated[float, Field(ge=0, le=0.5)] = Field(
-        0.001, description="BR-H is recommended only if it beats BR-0's share of the balanced "
+        MIN_GAIN, description="BR-H is recommended only if it beats BR-0's share of the balanced "
         "bound by this fraction, with no less throughput and no more imbalance, in every window")
     confirm: Annotated[bool, Field(strict=True)] = Field(
         False, description="rank the grid on the earlier of two windows of the replayed "
@@ -662,10 +665,13 @@ class TuningIn(ReplayIn):
     @field_validator("grid", mode="before")
     @classmethod
     def _named_grid(cls, value: object) -> object:
-        """A built-in grid's name stands for its BR-H points."""
-        if value is None or isinstance(value, list):
+        """A built-in grid's name stands for its BR-H points; null for the default grid's."""
+        from .tuning import DEFAULT_GRID, GRIDS, points_of
+
+        if value is None:
+            return points_of(DEFAULT_GRID)
+        if isinstance(value, list):
             return value
-        from .tuning import GRIDS, points_of
 
         if not isinstance(value, str):
             raise ValueError(f"must be a list of points or a grid's name ({', '.join(GRIDS)})")

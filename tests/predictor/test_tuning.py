@@ -21,6 +21,7 @@ from predictor.tuning import (
     candidate_of,
     choose,
     parse_grid,
+    points_of,
     recommendation_of,
     replay,
     tune,
@@ -377,6 +378,9 @@ def test_rest_tuning_passes_confirm_and_the_grid_to_tune(tmp_path, monkeypatch):
                 "grid": small, **body})
             job = wait(client, f"/v1/tunings/{started.json()['id']}")
             assert job["status"] == "done", job["error"]
+        # null is the default grid, and the stored request says which points that was
+        assert [{k: p[k] for k in ("horizon", "beta", "gamma", "learned_short_pool")}
+                for p in job["request"]["grid"]] == points_of(DEFAULT_GRID)
     assert [c for c, _ in seen] == [True, False, False, False]
     assert [g for _, g in seen] == [parse_grid(small)] * 2 + [GRIDS["wide"], DEFAULT_GRID]
 

@@ -258,9 +258,10 @@ def _add_ab(sub) -> None:
                     "the requests right after the skipped ones)")
     ab.add_argument("--warm", type=int, default=None, metavar="N",
                     help="the first N requests (after --requests and --sample) are the past: "
-                    "every learner (brh-<estimator>) knows them as finished before its replay, "
-                    "as a running service would, and the requests after them are replayed "
-                    "(by every policy; default: none, learners start empty)")
+                    "every learner (brh-<estimator>) is told them all as finished before its "
+                    "replay, as a running service knows its history (and a little more: its "
+                    "last requests would still be running), and the requests after them are "
+                    "replayed, by every policy (default: none, learners start empty)")
     ab.add_argument("--peer", action="store_true",
                     help="the BF-IO simulator's setting: --load backlog (the pool kept at the "
                     "first 4G waiting requests), --batch 72, --step-cost 1.0052e-7,0.0048875")
@@ -470,6 +471,10 @@ def cmd_ab(args: argparse.Namespace) -> int:
         # the peer's draw (random order, with replacement past the trace's length) under
         # --peer; otherwise a sample in trace order, arrival times kept
         trace = (trace.draw if args.peer else trace.sample)(args.sample, args.seed)
+    if args.peer and (args.skip is not None or args.warm is not None):
+        raise ParameterError("--skip" if args.skip is not None else "--warm",
+                             "not with --peer: its draw is in random order (with replacement "
+                             "past the trace's length), so it has no past")
     if args.skip is not None:
         trace = trace.split(args.skip, "--skip")[1]
     warm = None
@@ -477,7 +482,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         if args.predictor_url:
             raise ParameterError("--warm", "warms the in-process learners; a service at "
                                  "--predictor-url knows what it has stored")
-        warm, trace = trace.split(args.warm)
+        warm, trace = trace.split(args.warm, "--warm")
     config = SimConfig(
         batch=args.batch, load=args.load, step_cost=args.step_cost, horizon=args.horizon,
         refresh_steps=args.refresh_steps, seed=args.seed, record_trajectory=args.out is not None,

@@ -20,6 +20,7 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -510,8 +511,9 @@ class AbComparisonIn(ReplayIn):
     requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] | None = None
     warm_requests: Annotated[int, Field(strict=True, ge=1, le=199_999)] | None = Field(
         None, description="the first this many requests (of the trace, or of the stored "
-        "observations in completion order) are the past: every learner knows them as "
-        "finished before its replay, as a running service would, and only the requests "
+        "observations in completion order) are the past: every learner is told them all as "
+        "finished before its replay, as a running service knows its history (its last "
+        "requests would still be running there), and only the requests "
         "after them are replayed, by every policy (null, the default: learners start empty "
         "and the whole trace is replayed); must leave at least one request to replay")
     stage1: Stage1Rule = "auto"
@@ -612,11 +614,16 @@ class AbComparisonIn(ReplayIn):
     def _one_source(self) -> AbComparisonIn:
         if (self.trace is None) == (self.source is None):
             raise ValueError("give exactly one of 'source' and 'trace'")
-        if (self.warm_requests is not None and self.requests is not None
-                and self.warm_requests >= self.requests):
-            raise ValueError(f"warm_requests ({self.warm_requests}) must be below requests "
-                             f"({self.requests}): some must be left to replay")
         return self
+
+    @field_validator("warm_requests")
+    @classmethod
+    def _leaves_some(cls, value: int | None, info: ValidationInfo) -> int | None:
+        requests = info.data.get("requests")
+        if value is not None and requests is not None and value >= requests:
+            raise ValueError(f"{value}: must be below requests ({requests}): some must be "
+                             "left to replay")
+        return value
 
 
 class GridPoint(_Closed):

@@ -298,6 +298,9 @@ def tune(trace: Trace, config: SimConfig, estimator: str = "exact_match",
     split = len(trace) - int(round(len(trace) * holdout))
     if split < 1:
         raise ParameterError("holdout", "leaves no request to tune on")
+    if holdout > 0 and split >= len(trace):
+        raise ParameterError("holdout", f"{holdout:g} of {len(trace)} requests leaves none "
+                             "to replay after tuning")
     past = trace.head(split)
     listed = list(grid) if any(c.policy == "br0" for c in grid) else [Candidate("br0"), *grid]
     # one replay per distinct routing: a setting that states what the base already does

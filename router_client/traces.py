@@ -123,13 +123,14 @@ class Trace:
         shift = np.repeat(np.arange(copies) * period, len(self))[:n]
         return replace(tiled, arrival_s=tiled.arrival_s + shift)
 
-    def split(self, n: int, what: str = "--warm") -> tuple[Trace, Trace]:
+    def split(self, n: int, what: str) -> tuple[Trace, Trace]:
         """The first ``n`` requests (the past) and the rest (the traffic after it, arrival
         times as they were: a replay shifts them to 0). ``what`` names the setting in the
         error when either part would be empty."""
         if n < 1 or n >= len(self):
             raise ParameterError(what, f"{n}: must be at least 1 and below the {len(self)} "
-                                 "requests of the trace (some must be left to replay)")
+                                 f"requests it splits ({self.name}; some must be left to "
+                                 "replay)")
         return self.head(n), self.take(np.arange(n, len(self)))
 
     def take(self, rows: np.ndarray) -> Trace:

@@ -112,7 +112,7 @@ def _judge(args: argparse.Namespace, trace_name: str, load: float | str, workers
     result = tune(whole, config, estimator=args.estimator, grid=GRIDS[args.grid],
                   min_gain=args.min_gain,
                   holdout=(len(whole) - split) / len(whole), confirm=args.confirm)
-    past, later = whole.split(split)
+    past, later = whole.split(split, "--requests")
     default = BalanceRouteParams()
     learned = estimator_spec(args.estimator).policy
     # the later half's replays by routing: tuning's own of BR-0 and of its pick, any other

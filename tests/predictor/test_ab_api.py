@@ -469,14 +469,14 @@ def test_warm_requests_over_rest_and_cli(tmp_path):
                        {"warm_requests": 200, "requests": 200}):
             refused = c.post("/v1/ab-comparisons", json={**common, **fields})
             assert refused.status_code == 422, fields
-            assert "warm_requests" in refused.text
+            assert refused.json()["detail"][0]["loc"] == ["body", "warm_requests"], fields
     rows = timeless(job["results"])
     assert [(r["warm_requests"], r["requests"]) for r in rows] == [(250, 350)] * 2
     main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "br0,brh-exactmatch",
           "--workers", "4", "--batch", "8", "--load", "backlog", "--warm", "250", "--quiet",
           "--json", str(tmp_path / "cli.json")])
     assert timeless(json.loads((tmp_path / "cli.json").read_text())) == rows
-    past, rest = load_trace(str(tmp_path / "t.csv"), "csv").split(250)
+    past, rest = load_trace(str(tmp_path / "t.csv"), "csv").split(250, "--warm")
     config = SimConfig(workers=4, batch=8, load="backlog")
     params = BalanceRouteParams()
 
@@ -496,7 +496,7 @@ def test_warm_learners_know_the_past_before_the_first_answer_and_nothing_after_i
     from router_client.simulator import SimConfig
 
     trace = synthesize("synth:templated:n=400,seed=3")
-    past, rest = trace.split(150)
+    past, rest = trace.split(150, "--warm")
     told, answers = [], []
 
     class Spy:
@@ -523,6 +523,7 @@ def test_warm_learners_know_the_past_before_the_first_answer_and_nothing_after_i
     np.testing.assert_array_equal(first.output_tokens, past.output_tokens)
     np.testing.assert_array_equal(first.prompt_tokens, past.prompt_tokens)
     assert first.prompt_keys == past.prompt_keys
+    np.testing.assert_array_equal(first.censored, past.censored)
     later = np.concatenate([f.request_ids for _, f in told[1:]])  # the replay's own ids
     assert sorted(later.tolist()) == list(range(len(rest)))  # each once, as it finished
     np.testing.assert_array_equal(

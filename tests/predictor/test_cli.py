@@ -186,6 +186,14 @@ def test_ab_rejects_bad_parameters(capsys):
     assert main(["ab", "--trace", "synth:long:n=10", "--warm", "5", "--predictor-url",
                  "http://127.0.0.1:9", "--quiet"]) == 1
     assert "--warm: warms the in-process learners" in capsys.readouterr().err
+    for options, fragment in ((["--skip", "0"], "--skip: 0: must be at least 1"),
+                              (["--skip", "10"], "--skip: 10: must be at least 1 and below the 10"),
+                              (["--skip", "6", "--warm", "4"],
+                               "--warm: 4: must be at least 1 and below the 4 requests"),
+                              (["--peer", "--warm", "4"], "--warm: not with --peer"),
+                              (["--peer", "--skip", "4"], "--skip: not with --peer")):
+        assert main(["ab", "--trace", "synth:long:n=10", *options, "--quiet"]) == 1, options
+        assert fragment in capsys.readouterr().err
 
 
 def test_ab_peer_setting_and_sampling(tmp_path):
@@ -282,8 +290,8 @@ def test_ab_skip_replays_the_rest_with_learners_starting_empty(tmp_path):
               "--batch", "8", "--load", "backlog", "--quiet", "--json"]
     assert main([*common, str(tmp_path / "skip.json"), "--skip", "200"]) == 0
     assert main([*common, str(tmp_path / "both.json"), "--skip", "200", "--warm", "100"]) == 0
-    _, rest = synthesize(spec).split(200)
-    past, after = rest.split(100)
+    _, rest = synthesize(spec).split(200, "--skip")
+    past, after = rest.split(100, "--warm")
     config, params = SimConfig(workers=4, batch=8, load="backlog"), BalanceRouteParams()
     for name, expected in (("skip", replay(rest, "brh-exactmatch", params, config)),
                            ("both", replay(after, "brh-exactmatch", params, config,

@@ -360,7 +360,7 @@ def test_split_is_the_past_and_the_traffic_after_it():
     from router_client.errors import ParameterError
 
     trace = synthesize("synth:templated:n=50,seed=1")
-    past, rest = trace.split(20)
+    past, rest = trace.split(20, "--warm")
     assert (len(past), len(rest)) == (20, 30)
     np.testing.assert_array_equal(np.concatenate([past.output_tokens, rest.output_tokens]),
                                   trace.output_tokens)

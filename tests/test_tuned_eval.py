@@ -82,6 +82,21 @@ def test_tuned_eval_judges_the_pick_on_the_later_half_only(tmp_path):
            / line["later"]["br0"]["imbalance_maxmin_mean"])
     assert rows["brh-oracle"][7] == f"{imb:.3f}"
 
+    # a draw replayed without the oracle pools too: the gap is over the draws with one
+    lone = tmp_path / "lone.jsonl"
+    lone.write_text(json.dumps({**line, "seed": line["seed"] + 100, "later": {
+        k: v for k, v in line["later"].items() if k != "brh-oracle"}}) + "\n")
+    table = subprocess.run([*TOOL, "table", "--json", str(out), str(lone)], check=True,
+                           capture_output=True, text=True, cwd=ROOT).stdout
+    rows = {r.split(" | ")[2]: r.split(" | ") for r in table.splitlines()
+            if r.startswith("| tpl")}
+    assert (rows["brh-exactmatch"][3], rows["brh-oracle"][3]) == ("2", "1")
+    learned = (line["later"]["brh-exactmatch"]["imbalance_maxmin_mean"]
+               / line["later"]["br0"]["imbalance_maxmin_mean"])
+    expected = ("n/a (oracle not below BR-0)" if imb >= 1.0
+                else f"{(1.0 - learned) / (1.0 - imb):.2f}")
+    assert rows["brh-exactmatch"][8].rstrip(" |") == expected
+
 
 def test_runs_of_other_sizes_stay_apart_and_a_draw_must_agree_with_itself(tmp_path):
     """The table pools a draw's runs only when they replayed the same halves: runs of another

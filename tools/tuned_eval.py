@@ -184,7 +184,6 @@ def table(args: argparse.Namespace) -> None:
         cell = (name_of_cell if len(sizes[(name_of_cell, workers)]) == 1
                 else f"{name_of_cell} (halves of {half})")
         names = _policies(runs)
-        oracle = np.mean([_ratio(r, "brh-oracle", "imbalance_maxmin_mean") for r in runs])
         for name in names:
             have = [r for r in runs if name in r["later"]]
             picks = (", ".join(r["picks"][name] for r in have) if name.startswith("tuned")
@@ -192,8 +191,7 @@ def table(args: argparse.Namespace) -> None:
             thr = np.array([_ratio(r, name, "throughput_tok_s") for r in have])
             share = np.array([_ratio(r, name, "bound_share") for r in have])
             imb = np.array([_ratio(r, name, "imbalance_maxmin_mean") for r in have])
-            closed = ("1" if name == "brh-oracle" else "n/a (oracle not below BR-0)"
-                      if oracle >= 1.0 else f"{(1.0 - imb.mean()) / (1.0 - oracle):.2f}")
+            closed = _gap_closed(name, have)
             print(f"| {cell} | {workers} | {name} | {len(have)} | {picks} | {thr.mean():.4f} "
                   f"({thr.min():.4f}..{thr.max():.4f}) | {share.mean():.4f} "
                   f"({share.min():.4f}..{share.max():.4f}) | {imb.mean():.3f} | {closed} |")
@@ -228,6 +226,22 @@ def _summary(draws: list[dict]) -> None:
         print(f"| {name} | {len(have)} | {share.mean():.4f} ({share.min():.4f}) "
               f"| {thr.mean():.4f} ({thr.min():.4f}) | {(share < 0.999).sum()} / "
               f"{(thr < 0.999).sum()} | {brh} | {on_paired} |")
+
+
+def _gap_closed(name: str, runs: list[dict]) -> str:
+    """The share of the BR-0-to-oracle imbalance gap ``name`` closes (ratio of means), over
+    the ``runs`` that replayed the oracle too (a draw pooled from a file without it has no
+    gap to close)."""
+    if name == "brh-oracle":
+        return "1"
+    paired = [r for r in runs if "brh-oracle" in r["later"]]
+    if not paired:
+        return "n/a (no oracle replay)"
+    oracle = np.mean([_ratio(r, "brh-oracle", "imbalance_maxmin_mean") for r in paired])
+    if oracle >= 1.0:
+        return "n/a (oracle not below BR-0)"
+    imb = np.mean([_ratio(r, name, "imbalance_maxmin_mean") for r in paired])
+    return f"{(1.0 - imb) / (1.0 - oracle):.2f}"
 
 
 def _ratio(run: dict, name: str, key: str) -> float:

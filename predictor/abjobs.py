@@ -97,7 +97,7 @@ _LATER_OPTIONS = ("short_pool_growth", "zero_gamma_rules", "myopic_horizon", "ow
 
 def run_ab(request: dict, trace: Trace, progress) -> list[dict]:
     warm = None
-    if request.get("warm_requests"):  # jobs stored before the field lack it
+    if request.get("warm_requests"):  # absent or null: no past, learners start empty
         warm, trace = trace.split(request["warm_requests"], "warm_requests")
     comparison = abtest.run_comparison(
         trace, request["policies"], request["workers"], _config(request), progress,

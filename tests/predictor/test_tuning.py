@@ -527,3 +527,17 @@ def test_the_never_filled_note_names_the_settings_as_the_caller_takes_them():
     assert "more requests (--requests) or a higher --load" in result.as_dict()["note"]
     rest = result.as_dict(rest=True)["note"]
     assert "more requests (`requests`) or a higher `load`" in rest and "--" not in rest
+
+
+def test_a_holdout_that_leaves_nothing_to_replay_fails_before_any_replay(monkeypatch):
+    """A holdout that rounds to no request is refused naming it, before the grid is ranked
+    (it failed after ranking the whole grid, with an IndexError before that)."""
+    import predictor.tuning as tuning
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("replayed before the holdout was checked")
+
+    monkeypatch.setattr(tuning, "_replay", no_replay)
+    trace = synthesize("synth:templated:n=200,seed=1")
+    with pytest.raises(ParameterError, match=r"holdout: 0.001 of 200 requests leaves none"):
+        tune(trace, SimConfig(workers=2, batch=8, load="backlog"), holdout=0.001)

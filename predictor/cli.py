@@ -31,7 +31,7 @@ from router_client.simulator import DEFAULT_STEP_COST, SimConfig, check_load, pa
 from router_client.traces import FORMATS, Trace, load_trace
 
 from . import abtest, evaluate
-from .tuning import DEFAULT_GRID, GRIDS, MIN_GAIN
+from .tuning import DEFAULT_GRID_NAME, GRIDS, MIN_GAIN
 
 
 def bundled_trace() -> Path:
@@ -336,8 +336,7 @@ def _add_tune(sub) -> None:
     tune.add_argument("--holdout", type=float, default=0.0,
                       help="share of the trace (the latest requests) kept out of tuning and "
                       "used to check the recommendation against BR-0 (default 0)")
-    tune.add_argument("--grid", default=next(n for n, g in GRIDS.items() if g == DEFAULT_GRID),
-                      choices=list(GRIDS),
+    tune.add_argument("--grid", default=DEFAULT_GRID_NAME, choices=list(GRIDS),
                       help="the settings replayed: turnover (BR-0 and BR-H with the discount "
                       "from the fleet's turnover, the default) or wide (those and fixed "
                       "discounts: more chances to gain, and to pick a lucky replay)")

@@ -104,7 +104,8 @@ WIDE_GRID: tuple[Candidate, ...] = (
     Candidate("brh", 80, 43.0, 0.86),
 )
 GRIDS: dict[str, tuple[Candidate, ...]] = {"turnover": TURNOVER_GRID, "wide": WIDE_GRID}
-DEFAULT_GRID = TURNOVER_GRID
+DEFAULT_GRID_NAME = "turnover"
+DEFAULT_GRID = GRIDS[DEFAULT_GRID_NAME]
 
 
 @dataclass

@@ -47,7 +47,15 @@ import evalcli  # noqa: E402  (tools/ beside this script)
 from tracepaths import synth_spec, trace_file  # noqa: E402
 
 from predictor.estimators import estimator_spec  # noqa: E402
-from predictor.tuning import GRIDS, MIN_GAIN, candidate_of, choose, replay, tune  # noqa: E402
+from predictor.tuning import (  # noqa: E402
+    DEFAULT_GRID_NAME,
+    GRIDS,
+    MIN_GAIN,
+    candidate_of,
+    choose,
+    replay,
+    tune,
+)
 from router_client.admission import BalanceRouteParams  # noqa: E402
 from router_client.simulator import SimConfig, bound_share  # noqa: E402
 from router_client.traces import Trace, load_trace  # noqa: E402
@@ -275,8 +283,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--confirm", action="store_true",
                     help="tune with the pick confirmed on a window that did not rank it")
-    ap.add_argument("--grid", choices=sorted(GRIDS), default="turnover",
-                    help="tuning's grid (default turnover, tuning's own)")
+    ap.add_argument("--grid", choices=sorted(GRIDS), default=DEFAULT_GRID_NAME,
+                    help=f"tuning's grid (default {DEFAULT_GRID_NAME}, tuning's own)")
     ap.add_argument("--min-gain", type=float, default=MIN_GAIN,
                     help=f"tuning's gate (default {MIN_GAIN:g}, tuning's own)")
     ap.add_argument("--subgrid", choices=sorted(GRIDS),

@@ -126,7 +126,8 @@ def _step_cost(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
 
 
-def _policies(text: str) -> list[str]:
+def _names(text: str) -> list[str]:
+    """A comma-separated list of names (``--policies``, ``tune --estimator``)."""
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
@@ -202,7 +203,7 @@ def _add_ab(sub) -> None:
                     "requests synthesized)")
     ab.add_argument("--load", type=_load, default=1.0,
                     help="arrival rate relative to saturation, or 'backlog' (default 1.0)")
-    ab.add_argument("--policies", type=_policies, default=abtest.default_policies(),
+    ab.add_argument("--policies", type=_names, default=abtest.default_policies(),
                     help=f"comma-separated, of {','.join(abtest.known_policies())} "
                     f"(default: {','.join(abtest.default_policies())})")
     ab.add_argument("--step-cost", type=_step_cost, default=DEFAULT_STEP_COST,
@@ -331,8 +332,10 @@ def _add_tune(sub) -> None:
     tune.add_argument("--requests", type=int, default=None, help="the first N requests")
     tune.add_argument("--load", type=_load, default=1.0,
                       help="arrival rate relative to saturation, or 'backlog' (default 1.0)")
-    tune.add_argument("--estimator", default="exact_match",
-                      help="estimator BR-H would use (default exact_match)")
+    tune.add_argument("--estimator", type=_names, default=["exact_match"],
+                      help="estimator BR-H would use (default exact_match), or several, "
+                      "comma-separated (exact_match,hazard): every BR-H setting is replayed "
+                      "with each, and the recommendation names the learner of its pick")
     tune.add_argument("--holdout", type=float, default=0.0,
                       help="share of the trace (the latest requests) kept out of tuning and "
                       "used to check the recommendation against BR-0 (default 0)")
@@ -544,7 +547,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     reference = next(r for r in result.rows if r["policy"] == "br0")["throughput_tok_s"]
     tuned = len(trace) - int(round(len(trace) * args.holdout))
     print(f"trace {args.trace}: tuned on the first {tuned} of {len(trace)} requests, "
-          f"G={args.workers}, B={args.batch}, load {args.load}, estimator {args.estimator}")
+          f"G={args.workers}, B={args.batch}, load {args.load}, "
+          f"estimator {','.join(args.estimator)}")
     width = max(34, *(len(row["setting"]) for row in result.rows))
     print(f"{'setting':<{width}} {'tok/s':>9} {'x br0':>7} {'of bound':>8} {'max-min':>9} "
           f"{'guard':>6}")

@@ -653,7 +653,10 @@ class TuningIn(ReplayIn):
         "`requests` of them, in completion order)")
     workers: list[Workers] = Field(default_factory=lambda: [8], min_length=1, max_length=1)
     requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] = 20_000
-    estimator: str = Field("exact_match", description="the estimator BR-H would use")
+    estimator: str | Annotated[list[str], Field(min_length=1, max_length=16)] = Field(
+        "exact_match", description="the estimator BR-H would use, or a list of them: every "
+        "BR-H setting is then replayed with each, and the recommendation names the learner "
+        "of its pick")
     grid: list[GridPoint] | None = Field(
         None, min_length=1, max_length=32, json_schema_extra=_grid_names_schema,
         validate_default=True,
@@ -689,9 +692,11 @@ class TuningIn(ReplayIn):
 
     @field_validator("estimator")
     @classmethod
-    def _registered(cls, value: str) -> str:
-        if value not in estimator_names():
-            raise ValueError(f"unknown estimator; known: {', '.join(estimator_names())}")
+    def _registered(cls, value: str | list[str]) -> str | list[str]:
+        for name in [value] if isinstance(value, str) else value:
+            if name not in estimator_names():
+                raise ValueError(f"unknown estimator {name!r}; known: "
+                                 f"{', '.join(estimator_names())}")
         return value
 
 

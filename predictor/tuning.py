@@ -2,11 +2,11 @@
 
 :func:`tune` replays a trace (a file, or the service's own stored observations) through BR-0
 and each BR-H candidate of a grid, with the *learned* estimator the routers would get (not
-true lengths: a setting is only worth what the predictions it will see make of it), and ranks
-them by throughput over the routing window. BR-H is recommended only when a candidate beats
-BR-0's throughput by at least ``min_gain`` (default 0.1%) without raising its imbalance (the
-best-ranked such candidate): where lookahead cannot help, routers run BR-0, which needs no
-predictor at all.
+true lengths: a setting is only worth what the predictions it will see make of it; or with
+each of several learners, and the pick names its own), and ranks them by their share of the
+balanced bound. BR-H is recommended only when a candidate beats BR-0's share by at least
+``min_gain`` (default 0.1%) without less throughput or more imbalance (the best-ranked such
+candidate): where lookahead cannot help, routers run BR-0, which needs no predictor at all.
 
 Only the past counts. ``holdout`` splits the trace in arrival order: the grid is replayed on
 the earlier part only, and the recommendation is then checked against BR-0 on the later part,
@@ -184,23 +184,39 @@ def replay(trace: Trace, policy_name: str, params: BalanceRouteParams, config: S
     return simulate(trace, policy, run_config, predictor, progress).row
 
 
+def _label(candidate: Candidate, learner: str | None, named: bool) -> str:
+    """``candidate``'s label, with its learner where tuning ranks several (``named``)."""
+    if named and candidate.policy != "br0":
+        return f"{candidate.label} estimator={learner}"
+    return candidate.label
+
+
 def _replay(trace: Trace, candidate: Candidate, config: SimConfig, base: BalanceRouteParams,
-            estimator: str, settings: Settings | None, progress, warm: Trace | None = None
-            ) -> dict:
-    """One replay of ``candidate``; ``warm`` as in :func:`replay`."""
+            estimator: str | None, settings: Settings | None, progress,
+            warm: Trace | None = None, named: bool = False) -> dict:
+    """One replay of ``candidate`` (BR-H with the learner ``estimator``; BR-0 needs none, and
+    its row names none); ``warm`` as in :func:`replay`; ``named`` as in :func:`_label`."""
     params = candidate.params(base)
-    policy_name = "br0" if candidate.policy == "br0" else estimator_spec(estimator).policy
+    learner = None if candidate.policy == "br0" else estimator
+    policy_name = "br0" if learner is None else estimator_spec(learner).policy
     row = replay(trace, policy_name, params, config, settings, progress, warm)
     # the rule replayed, where the candidate left it to the base
-    return {"setting": candidate.label, **asdict(candidate),
-            "learned_short_pool": params.learned_short_pool, "estimator": estimator, **row,
+    return {"setting": _label(candidate, learner, named), **asdict(candidate),
+            "learned_short_pool": params.learned_short_pool, "estimator": learner, **row,
             "bound_share": bound_share(row)}
 
 
 def _choose(ranked: list[dict], min_gain: float) -> Candidate:
-    """The best-ranked BR-H setting that, in every window of the past it was replayed on,
+    """The candidate of :func:`_chosen_row`'s row, else BR-0."""
+    row = _chosen_row(ranked, min_gain)
+    return Candidate("br0") if row is None else candidate_of(row)
+
+
+def _chosen_row(ranked: list[dict], min_gain: float) -> dict | None:
+    """The row of the best-ranked BR-H setting that, in every window of the past it was replayed on,
     routes better than BR-0 (its share of its own balanced bound higher by ``min_gain``) with
-    no less throughput and no more imbalance; else BR-0.
+    no less throughput and no more imbalance (with its learner, where tuning ranked several);
+    else None: BR-0.
 
     Throughput over the routing window alone can be won by deferring large requests past it:
     the window then holds less work, its steps are cheaper, and the pool keeps the heavy
@@ -216,8 +232,8 @@ def _choose(ranked: list[dict], min_gain: float) -> Candidate:
             continue
         if all(_beats(w, b, min_gain)
                for w, b in zip(row.get("windows", [row]), reference, strict=True)):
-            return candidate_of(row)
-    return Candidate("br0")
+            return row
+    return None
 
 
 def choose(rows: Sequence[dict], min_gain: float = MIN_GAIN) -> Candidate:
@@ -226,6 +242,11 @@ def choose(rows: Sequence[dict], min_gain: float = MIN_GAIN) -> Candidate:
     (:func:`_choose`), else BR-0. A part of a grid's rows gives the pick tuning would have made
     over that part alone: each candidate's replays do not depend on the others."""
     return _choose(_rank(list(rows)), min_gain)
+
+
+def chosen_row(rows: Sequence[dict], min_gain: float = MIN_GAIN) -> dict | None:
+    """The row :func:`choose` picks its candidate from (with its learner), else None: BR-0."""
+    return _chosen_row(_rank(list(rows)), min_gain)
 
 
 def _beats(row: dict, br0: dict, min_gain: float) -> bool:
@@ -276,7 +297,17 @@ def _rank(rows: list[dict]) -> list[dict]:
                                        r["imbalance_maxmin_mean"]))
 
 
-def tune(trace: Trace, config: SimConfig, estimator: str = "exact_match",
+def learners_of(estimator: str | Sequence[str]) -> tuple[str, ...]:
+    """The learners tuning replays BR-H with: one name, or several (each once, in order)."""
+    names = (estimator,) if isinstance(estimator, str) else tuple(dict.fromkeys(estimator))
+    if not names:
+        raise ParameterError("estimator", "names no estimator")
+    for name in names:
+        estimator_spec(name)  # a clear error for an unknown name
+    return names
+
+
+def tune(trace: Trace, config: SimConfig, estimator: str | Sequence[str] = "exact_match",
          grid: Sequence[Candidate] = DEFAULT_GRID, min_gain: float = MIN_GAIN,
          holdout: float = 0.0, base: BalanceRouteParams | None = None,
          settings: Settings | None = None,
@@ -291,10 +322,12 @@ def tune(trace: Trace, config: SimConfig, estimator: str = "exact_match",
     ``TuningResult.confirmation``); else BR-0. It answers the best of a dozen noisy replays
     being picked partly for its luck, but ranks on less of the past: over 25 draws of later
     traffic it lost as often as the default rule by the share, and gained less (README,
-    "Tuning judged on later traffic")."""
+    "Tuning judged on later traffic"). ``estimator``: the learner routers would get, or
+    several (:func:`learners_of`): every BR-H setting is then replayed with each, and the
+    recommendation names the learner of the row it picked (BR-0's row names none)."""
     if not 0.0 <= holdout < 1.0:
         raise ParameterError("holdout", "must be in [0, 1)")
-    estimator_spec(estimator)  # a clear error for an unknown name
+    learners = learners_of(estimator)
     base = base or BalanceRouteParams()
     split = len(trace) - int(round(len(trace) * holdout))
     if split < 1:
@@ -306,46 +339,51 @@ def tune(trace: Trace, config: SimConfig, estimator: str = "exact_match",
     listed = list(grid) if any(c.policy == "br0" for c in grid) else [Candidate("br0"), *grid]
     # one replay per distinct routing: a setting that states what the base already does
     # (learned_short_pool as the base's) is the same candidate
-    distinct: dict[BalanceRouteParams, Candidate] = {}
+    distinct: dict[tuple[BalanceRouteParams, str | None], tuple[Candidate, str | None]] = {}
     for candidate in listed:
-        distinct.setdefault(candidate.params(base), candidate)
+        for learner in (None,) if candidate.policy == "br0" else learners:
+            distinct.setdefault((candidate.params(base), learner), (candidate, learner))
     candidates = list(distinct.values())
     parts = _windows(past, windows)
     last = parts[-1] if confirm and len(parts) >= 2 else None
     ranking = parts[:-1] if last is not None else parts
     steps = len(candidates) * len(ranking) + (2 if last is not None else 0)
+    named = len(learners) > 1  # labels name the learner where several take part
     rows = []
-    for number, candidate in enumerate(candidates):
+    for number, (candidate, learner) in enumerate(candidates):
         per_window = []
         for part, (window, warm) in enumerate(ranking):
             def report(fraction: float, done: int = number * len(ranking) + part,
-                       label: str = candidate.label) -> None:
+                       label: str = _label(candidate, learner, named)) -> None:
                 if progress is not None:
                     progress((done + fraction) / steps, label)
 
-            per_window.append(_replay(window, candidate, config, base, estimator, settings,
-                                      report, warm=warm))
+            per_window.append(_replay(window, candidate, config, base, learner, settings,
+                                      report, warm=warm, named=named))
         rows.append(_combine(per_window))
     ranked = _rank(rows)
-    chosen = choose(ranked, min_gain)
+    row = _chosen_row(ranked, min_gain)
+    chosen = Candidate("br0") if row is None else candidate_of(row)
+    learner = learners[0] if row is None else row["estimator"]
     confirmation: list[dict] = []
     if last is not None and chosen.policy != "br0":
         window, warm = last
         for number, candidate in enumerate((Candidate("br0"), chosen)):
             def report_last(fraction: float, done: int = steps - 2 + number,
-                            label: str = f"confirming {candidate.label}") -> None:
+                            label: str = f"confirming {_label(candidate, learner, named)}"
+                            ) -> None:
                 if progress is not None:
                     progress((done + fraction) / steps, label)
 
-            confirmation.append(_replay(window, candidate, config, base, estimator, settings,
-                                        report_last, warm=warm))
+            confirmation.append(_replay(window, candidate, config, base, learner, settings,
+                                        report_last, warm=warm, named=named))
         if not _beats(confirmation[1], confirmation[0], min_gain):
             chosen = Candidate("br0")
-    result = TuningResult(ranked, recommendation_of(chosen, estimator, base),
+    result = TuningResult(ranked, recommendation_of(chosen, learner, base),
                           confirmation=confirmation)
     if holdout > 0:
         later = trace.split(split, "holdout")[1]  # replays shift times to 0
         result.evaluation = [
-            _replay(later, c, config, base, estimator, settings, None, warm=past)
+            _replay(later, c, config, base, learner, settings, None, warm=past, named=named)
             for c in dict.fromkeys([Candidate("br0"), chosen])]
     return result

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from predictor.tuning import GRIDS, Candidate, candidate_of, choose, replay, tune
+from predictor.tuning import GRIDS, Candidate, candidate_of, choose, chosen_row, replay, tune
 from router_client.admission import TURNOVER, BalanceRouteParams
 from router_client.simulator import SimConfig
 from router_client.traces import load_trace
@@ -228,10 +228,10 @@ def test_a_subgrid_pick_of_its_own_is_replayed_on_the_later_half(tmp_path, monke
     chosen = []
 
     def forcing(rows, min_gain):
-        chosen.append(choose(rows, min_gain))
-        return forced
+        chosen.append(chosen_row(rows, min_gain))
+        return next(r for r in rows if r["setting"] == forced.label)
 
-    monkeypatch.setattr(tuned_eval, "choose", forcing)
+    monkeypatch.setattr(tuned_eval, "chosen_row", forcing)
     out = tmp_path / "rows.jsonl"
     tuned_eval.run(argparse.Namespace(
         json=out, cells=["tpl:backlog"], workers=[2], seeds=1, first_seed=1, requests=200,
@@ -251,3 +251,34 @@ def test_a_subgrid_pick_of_its_own_is_replayed_on_the_later_half(tmp_path, monke
     cold = replay(whole.take(np.arange(200, 400)), "brh-exactmatch", forced.params(default),
                   config)
     assert mine["throughput_tok_s"] != cold["throughput_tok_s"]  # the learner was warmed
+
+
+def test_several_learners_judge_each_learners_own_pick_too(tmp_path, tuned_eval):
+    """``--estimator exact_match,hazard``: tuning ranks both learners' rows; each learner's
+    own pick (its rows and BR-0's) is replayed on the later half beside the pick over both,
+    and each learner's untuned BR-H too; the table shows them as picks."""
+    out = tmp_path / "rows.jsonl"
+    tuned_eval.run(argparse.Namespace(
+        json=out, cells=["tpl:backlog"], workers=[4], seeds=1, first_seed=2, requests=400,
+        batch=8, estimator="exact_match,hazard", confirm=False, grid="turnover",
+        subgrid=None, min_gain=0.0))
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert set(line["learner_picks"]) == {"exact_match", "hazard"}
+    assert {"brh-exactmatch", "brh-hazard", "tuned, turnover grid, min gain 0, hazard only",
+            "tuned, turnover grid, min gain 0, exact_match only"} < set(line["later"])
+    whole = load_trace("synth:templated:seed=2", requests=800)
+    config = SimConfig(workers=4, batch=8, load="backlog", seed=2)
+    for learner in ("exact_match", "hazard"):
+        alone = tune(whole, config, estimator=learner, min_gain=0.0, holdout=0.5)
+        row = chosen_row(alone.rows, 0.0)
+        label = "br0" if row is None else f"{row['setting']} estimator={learner}"
+        assert line["learner_picks"][learner] == label
+        mine = line["later"][f"tuned, turnover grid, min gain 0, {learner} only"]
+        assert mine["throughput_tok_s"] == alone.evaluation[-1]["throughput_tok_s"]
+    table = tuned_eval_table(out)
+    assert "tuned, turnover grid, min gain 0, hazard only" in table
+
+
+def tuned_eval_table(path: Path) -> str:
+    return subprocess.run([*TOOL, "table", "--json", str(path)], check=True,
+                          capture_output=True, text=True, cwd=ROOT).stdout

@@ -52,7 +52,7 @@ from predictor.tuning import (  # noqa: E402
     GRIDS,
     MIN_GAIN,
     candidate_of,
-    choose,
+    chosen_row,
     replay,
     tune,
 )
@@ -117,35 +117,51 @@ def _judge(args: argparse.Namespace, trace_name: str, load: float | str, workers
     whole = draw(trace_name, seed, 2 * args.requests)
     split = len(whole) // 2
     config = SimConfig(workers=workers, batch=args.batch, load=load, seed=seed)
-    result = tune(whole, config, estimator=args.estimator, grid=GRIDS[args.grid],
+    learners = args.estimator.split(",")
+    result = tune(whole, config, estimator=learners, grid=GRIDS[args.grid],
                   min_gain=args.min_gain,
                   holdout=(len(whole) - split) / len(whole), confirm=args.confirm)
     past, later = whole.split(split, "--requests")
     default = BalanceRouteParams()
-    learned = estimator_spec(args.estimator).policy
-    # the later half's replays by routing: tuning's own of BR-0 and of its pick, any other
-    # setting replayed once (the defaults are often tuning's pick)
-    replays = {candidate_of(result.recommendation).params(default): result.evaluation[-1],
-               default.as_br0(): result.evaluation[0]}
+    # the later half's replays by routing and learner: tuning's own of BR-0 and of its pick,
+    # any other setting replayed once (the defaults are often tuning's pick)
+    picked = result.recommendation.get("estimator")
+    replays = {(candidate_of(result.recommendation).params(default), picked):
+               result.evaluation[-1], (default.as_br0(), None): result.evaluation[0]}
 
-    def later_of(params: BalanceRouteParams) -> dict:
-        if params not in replays:
-            replays[params] = replay(later, learned, params, config, warm=past)
-        return replays[params]
+    def later_of(params: BalanceRouteParams, learner: str | None) -> dict:
+        learner = None if not params.horizon else learner
+        if (params, learner) not in replays:
+            name = "br0" if learner is None else estimator_spec(learner).policy
+            replays[(params, learner)] = replay(later, name, params, config, warm=past)
+        return replays[(params, learner)]
 
     rows = {"br0": result.evaluation[0], "tuned": result.evaluation[-1],
-            learned: later_of(default),
+            **{estimator_spec(name).policy: later_of(default, name) for name in learners},
             "brh-oracle": replay(later, "brh-oracle", default, config)}
-    extra = {}
+    extra: dict = {}
+
+    def pick_over(name: str, keep) -> str:
+        """Tuning's pick (its ranking and gate on every window) over the rows ``keep``
+        keeps, replayed on the later half as ``name`` (each candidate's replays do not depend
+        on the others, so it costs one more replay at most); its label."""
+        row = chosen_row([r for r in result.rows if keep(r)], args.min_gain)
+        if row is None:
+            rows[name] = result.evaluation[0]
+            return "br0"
+        rows[name] = later_of(candidate_of(row).params(default), row["estimator"])
+        return row["setting"]
+
     if args.subgrid is not None:
-        # tuning's rule (ranking, gate on every window) over the part's rows: each
-        # candidate's replays do not depend on the others, so it costs one more replay of the
-        # later half at most
         part = {c.params(default) for c in GRIDS[args.subgrid]}
-        pick = choose([r for r in result.rows if candidate_of(r).params(default) in part],
-                      args.min_gain)
-        rows[_pick_name(args.subgrid, False, args.min_gain)] = later_of(pick.params(default))
-        extra = {"subgrid_pick": pick.label}
+        extra["subgrid_pick"] = pick_over(_pick_name(args.subgrid, False, args.min_gain),
+                                          lambda r: candidate_of(r).params(default) in part)
+    if len(learners) > 1:
+        # the pick of tuning with each learner alone, from the same ranking rows
+        extra["learner_picks"] = {
+            learner: pick_over(_pick_name(args.grid, args.confirm, args.min_gain, learner),
+                               lambda r, lr=learner: r["estimator"] in (None, lr))
+            for learner in learners}
     return {"requests": [len(past), len(later)], "recommendation": result.recommendation,
             "confirmation": [{"setting": r["setting"], **_row(r)} for r in result.confirmation],
             "tuning": [{"setting": r["setting"], **_row(r)} for r in result.rows], **extra,
@@ -175,9 +191,12 @@ def table(args: argparse.Namespace) -> None:
                     raise SystemExit(f"{path}:{number}: {shared} on {key} differs from the "
                                      "same draw's replay in another run")
             merged["later"].update(later)
-            merged["picks"][name] = candidate_of(row["recommendation"]).label
+            merged["picks"][name] = _label_of(row)
             if "subgrid" in row:
                 merged["picks"][_pick_name(row["subgrid"], False, gain)] = row["subgrid_pick"]
+            for learner, label in row.get("learner_picks", {}).items():
+                merged["picks"][_pick_name(row.get("grid", "wide"), row.get("confirm", False),
+                                           gain, learner)] = label
     cells: dict[tuple[str, int, int], list[dict]] = defaultdict(list)
     for key, merged in sorted(draws.items()):
         cells[(key[0], key[1], key[3][0])].append(merged)  # draws of one size pool
@@ -256,10 +275,22 @@ def _ratio(run: dict, name: str, key: str) -> float:
     return run["later"][name][key] / run["later"]["br0"][key]
 
 
-def _pick_name(grid: str, confirm: bool, min_gain: float = MIN_GAIN) -> str:
-    """The table's name for the pick of tuning over ``grid`` by a rule and gate."""
+def _pick_name(grid: str, confirm: bool, min_gain: float = MIN_GAIN,
+               learner: str | None = None) -> str:
+    """The table's name for the pick of tuning over ``grid`` by a rule and gate (``learner``:
+    ranking that learner's rows alone, where tuning ranked several)."""
     return (f"tuned, {grid} grid" + (", confirmed" if confirm else "")
-            + ("" if min_gain == MIN_GAIN else f", min gain {min_gain:g}"))
+            + ("" if min_gain == MIN_GAIN else f", min gain {min_gain:g}")
+            + ("" if learner is None else f", {learner} only"))
+
+
+def _label_of(row: dict) -> str:
+    """The label of a run's recommendation, its learner named where tuning ranked several."""
+    recommendation = row["recommendation"]
+    label = candidate_of(recommendation).label
+    if "learner_picks" in row and recommendation["policy"] == "brh":
+        label += f" estimator={recommendation['estimator']}"
+    return label
 
 
 def _run_key(row: dict) -> tuple:
@@ -291,7 +322,9 @@ def main() -> None:
                     help="also judge the pick tuning would make over this part of its grid "
                          "(turnover: BR-0 and the turnover-discount points)")
     ap.add_argument("--estimator", default="exact_match",
-                    help="the learner tuning replays and routers get (default exact_match)")
+                    help="the learner tuning replays and routers get (default exact_match), "
+                         "or several, comma-separated (exact_match,hazard): tuning ranks each "
+                         "BR-H setting with each, and each learner's own pick is judged too")
     evalcli.dispatch(ap, run, table)
 
 

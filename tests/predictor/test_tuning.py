@@ -20,6 +20,7 @@ from predictor.tuning import (
     _choose,
     candidate_of,
     choose,
+    chosen_row,
     parse_grid,
     points_of,
     recommendation_of,
@@ -217,6 +218,52 @@ def test_a_part_of_the_grid_is_chosen_from_the_full_grids_rows():
     assert choose([br0, *reversed(tied)]).learned_short_pool is True
 
 
+def test_tuning_ranks_each_learner_and_names_the_one_it_picks():
+    """With several learners every BR-H setting is replayed with each (BR-0 once, naming
+    none); each learner's rows are those of tuning with that learner alone, and the
+    recommendation is the pick over all of them, with its own learner."""
+    trace = synthesize("synth:templated:n=800,seed=2")
+    config = SimConfig(workers=4, batch=8, load="backlog")
+    grid = (Candidate("br0"), Candidate("brh", 20, 8.0, 0.9),
+            Candidate("brh", 80, None, TURNOVER))
+    learners = ["exact_match", "hazard"]
+    both = tune(trace, config, estimator=learners, grid=grid, min_gain=0.0, holdout=0.25)
+    assert sorted((r["policy"], r["estimator"]) for r in both.rows) == [
+        ("br0", None), *sorted((f"brh-{n.replace('_', '')}", n)
+                               for n in learners for _ in (1, 2))]
+
+    def figures(rows):
+        return sorted((r["estimator"] or "", r["horizon"], r["throughput_tok_s"],
+                       r["imbalance_maxmin_mean"]) for r in rows)
+
+    picks = {}
+    for learner in learners:
+        alone = tune(trace, config, estimator=learner, grid=grid, min_gain=0.0, holdout=0.25)
+        mine = [r for r in both.rows if r["estimator"] in (None, learner)]
+        assert figures(mine) == figures(alone.rows)
+        assert {r["setting"] for r in mine} == {
+            r["setting"] + ("" if r["policy"] == "br0" else f" estimator={learner}")
+            for r in alone.rows}
+        assert recommendation_of(choose(mine, 0.0), learner) == alone.recommendation
+        picks[learner] = alone.rows
+    assert figures(picks["hazard"][1:]) != figures(picks["exact_match"][1:])  # they differ
+    row = chosen_row(both.rows, 0.0)
+    # here the second learner's row is ranked first, and it is the pick
+    assert row is not None and row["policy"] != "br0" and row["estimator"] == "hazard"
+    assert both.recommendation == recommendation_of(candidate_of(row), row["estimator"])
+    assert [r["estimator"] for r in both.evaluation] == [None, row["estimator"]]
+    # the pick's learner, whichever ranks it: a row of the second learner ahead is picked
+    br0 = next(r for r in both.rows if r["policy"] == "br0")
+    ahead = {**br0, "policy": "brh", "horizon": 20, "beta": 8.0, "gamma": 0.9,
+             "learned_short_pool": None, "estimator": "hazard",
+             "throughput_tok_s": br0["throughput_tok_s"] * 1.01,
+             "bound_share": br0["bound_share"] * 1.01}
+    assert chosen_row([br0, {**ahead, "estimator": "exact_match",
+                             "bound_share": br0["bound_share"] * 1.005}, ahead]) is ahead
+    with pytest.raises(ParameterError, match="estimator"):
+        tune(trace, config, estimator=[], grid=grid)
+
+
 def test_tune_command_confirm_prints_the_confirmation(tmp_path, capsys, monkeypatch):
     """``tune --confirm`` reaches :func:`tune` and prints the pick's replay on the last window
     against BR-0's and the verdict; ``--json`` carries both rows (the real ``tune``, with the
@@ -355,14 +402,17 @@ def test_rest_tuning_publishes_its_recommendation(tmp_path):
 
 def test_rest_tuning_passes_confirm_and_the_grid_to_tune(tmp_path, monkeypatch):
     """``"confirm": true`` in the body reaches :func:`tune` (a spy on the real function);
-    absent, the default rule runs; ``"grid": "wide"`` stands for the wide grid's points."""
+    absent, the default rule runs; ``"grid": "wide"`` stands for the wide grid's points; a
+    list of estimators is ranked learner by learner."""
     import predictor.tuning as tuning
 
     seen = []
+    learners = []
     real = tuning.tune
 
     def spy(*a, **k):
         seen.append((k.get("confirm"), k["grid"]))
+        learners.append(k["estimator"])
         return real(*a, **k)
 
     monkeypatch.setattr(tuning, "tune", spy)
@@ -372,17 +422,28 @@ def test_rest_tuning_passes_confirm_and_the_grid_to_tune(tmp_path, monkeypatch):
     small = [{"horizon": 20, "beta": 8, "gamma": 0.9}]
     with TestClient(create_app(Settings(database_url=url))) as client:
         client.post("/v1/observations", json={"observations": observations}).raise_for_status()
-        for body in ({"confirm": True}, {}, {"grid": "wide"}, {"grid": None}):
+        for bad_names in (["exact_match", "nope"], []):
+            bad = client.post("/v1/tunings", json={"estimator": bad_names})
+            assert bad.status_code == 422
+            assert bad.json()["detail"][0]["loc"][:2] == ["body", "estimator"]
+        several = {"estimator": ["exact_match", "hazard"]}
+        for body in ({"confirm": True}, {}, {"grid": "wide"}, several, {"grid": None}):
             started = client.post("/v1/tunings", json={
                 "workers": [2], "batch": 8, "load": "backlog", "requests": 100,
                 "grid": small, **body})
             job = wait(client, f"/v1/tunings/{started.json()['id']}")
             assert job["status"] == "done", job["error"]
+            if body is several:
+                assert sorted(r["estimator"] or "" for r in job["results"]["rows"]) == [
+                    "", "exact_match", "hazard"]
+                assert job["request"]["estimator"] == ["exact_match", "hazard"]
         # null is the default grid, and the stored request says which points that was
         assert [{k: p[k] for k in ("horizon", "beta", "gamma", "learned_short_pool")}
                 for p in job["request"]["grid"]] == points_of(DEFAULT_GRID)
-    assert [c for c, _ in seen] == [True, False, False, False]
-    assert [g for _, g in seen] == [parse_grid(small)] * 2 + [GRIDS["wide"], DEFAULT_GRID]
+    assert [c for c, _ in seen] == [True, False, False, False, False]
+    assert [g for _, g in seen] == [parse_grid(small)] * 2 + [GRIDS["wide"],
+                                                              parse_grid(small), DEFAULT_GRID]
+    assert learners == ["exact_match"] * 3 + [["exact_match", "hazard"], "exact_match"]
 
 
 class Advising:

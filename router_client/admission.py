@@ -833,16 +833,31 @@ def _checked_against_br0(
 
 def _summed_f(table: MarginTable, rows: np.ndarray | None, sizes: np.ndarray,
               admitted: list[Assignment]) -> float:
-    """The F of ``admitted`` scored and admitted in order on ``table`` (changed)."""
+    """The F of ``admitted`` scored and admitted in order on ``table`` (changed), as a
+    round scores and admits them (:class:`_Round`)."""
     total = 0.0
     for a in admitted:
-        if rows is not None:
-            total += float(table.score_rows(a.worker, rows[a.pool_index]))
-            table.admit_row(a.worker, rows[a.pool_index])
-        else:
-            total += float(table.score(a.worker, sizes[a.pool_index]))
-            table.admit(a.worker, float(sizes[a.pool_index]))
+        total += float(_table_score(table, rows, sizes, a.worker, a.pool_index))
+        _table_admit(table, rows, sizes, a.worker, a.pool_index)
     return total
+
+
+def _table_score(table: MarginTable, rows: np.ndarray | None, sizes: np.ndarray, worker: int,
+                 indices: int | list[int]) -> np.ndarray:
+    """F on ``worker`` of the pool entries ``indices``: their rows where the round has them
+    (BR-H's projected loads), else their sizes."""
+    if rows is not None:
+        return table.score_rows(worker, rows[indices])
+    return table.score(worker, sizes[indices])
+
+
+def _table_admit(table: MarginTable, rows: np.ndarray | None, sizes: np.ndarray, worker: int,
+                 index: int) -> None:
+    """Pool entry ``index`` admitted to ``worker`` on ``table``, by its row or its size."""
+    if rows is not None:
+        table.admit_row(worker, rows[index])
+    else:
+        table.admit(worker, float(sizes[index]))
 
 
 @lru_cache(maxsize=64)
@@ -914,15 +929,10 @@ class _Round:
         self.exact = False
 
     def score(self, worker: int, indices: list[int]) -> np.ndarray:
-        if self.rows is not None:
-            return self.table.score_rows(worker, self.rows[indices])
-        return self.table.score(worker, self.sizes[indices])
+        return _table_score(self.table, self.rows, self.sizes, worker, indices)
 
     def admit(self, worker: int, index: int, guard: bool = False) -> None:
-        if self.rows is not None:
-            self.table.admit_row(worker, self.rows[index])
-        else:
-            self.table.admit(worker, self.sizes[index])
+        _table_admit(self.table, self.rows, self.sizes, worker, index)
         self.free[worker] -= 1
         self.total_free -= 1
         self.out.append(Assignment(index, worker, guard))

@@ -127,11 +127,18 @@ class Trace:
         """The first ``n`` requests (the past) and the rest (the traffic after it, arrival
         times as they were: a replay shifts them to 0). ``what`` names the setting in the
         error when either part would be empty."""
-        if n < 1 or n >= len(self):
-            raise ParameterError(what, f"{n}: must be at least 1 and below the {len(self)} "
-                                 f"requests it splits ({self.name}; some must be left to "
-                                 "replay)")
+        problem = self.split_problem(n)
+        if problem is not None:
+            raise ParameterError(what, problem)
         return self.head(n), self.take(np.arange(n, len(self)))
+
+    def split_problem(self, n: int) -> str | None:
+        """Why :meth:`split` at ``n`` would leave a part empty, else None (a check that does
+        not copy the arrays)."""
+        if n < 1 or n >= len(self):
+            return (f"{n}: must be at least 1 and below the {len(self)} requests it splits "
+                    f"({self.name}; some must be left to replay)")
+        return None
 
     def take(self, rows: np.ndarray) -> Trace:
         """The requests at ``rows`` (in that order)."""

@@ -38,10 +38,9 @@ def parsed_trace(body: AbComparisonIn) -> Trace | None:
     longest = max(int(trace.output_tokens.max()), int(trace.prompt_tokens.max()))
     if longest > MAX_TOKENS:
         raise _invalid(loc, f"a request of {longest} tokens; at most {MAX_TOKENS}", "too_large")
-    if body.warm_requests is not None and body.warm_requests >= len(trace):
-        raise _invalid(("body", "warm_requests"), f"{body.warm_requests}: must be below the "
-                       f"{len(trace)} requests of the trace (some must be left to replay)",
-                       "too_large")
+    problem = None if body.warm_requests is None else trace.split_problem(body.warm_requests)
+    if problem is not None:
+        raise _invalid(("body", "warm_requests"), problem, "too_large")
     return trace
 
 

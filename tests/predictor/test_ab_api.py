@@ -470,6 +470,8 @@ def test_warm_requests_over_rest_and_cli(tmp_path):
             refused = c.post("/v1/ab-comparisons", json={**common, **fields})
             assert refused.status_code == 422, fields
             assert refused.json()["detail"][0]["loc"] == ["body", "warm_requests"], fields
+        refused = c.post("/v1/ab-comparisons", json={**common, "warm_requests": 600})
+        assert "600: must be at least 1 and below the 600 requests it splits" in refused.text
     rows = timeless(job["results"])
     assert [(r["warm_requests"], r["requests"]) for r in rows] == [(250, 350)] * 2
     main(["ab", "--trace", str(tmp_path / "t.csv"), "--policies", "br0,brh-exactmatch",

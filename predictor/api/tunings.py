@@ -7,17 +7,33 @@ from fastapi.exceptions import RequestValidationError
 
 from ..abjobs import TooManyJobs
 from ..schemas import AbJobCreated, AbJobOut, TuningIn
-from .deps import NOT_FOUND, TOO_LARGE, UNAUTHORIZED, AbJobsDep, WriteAuth, job_or_404
+from .deps import (
+    NOT_FOUND,
+    TOO_LARGE,
+    UNAUTHORIZED,
+    AbJobsDep,
+    ServiceDep,
+    WriteAuth,
+    job_or_404,
+)
 
 router = APIRouter(prefix="/v1/tunings", tags=["tuning"])
 
 
 @router.post("", status_code=202, response_model=AbJobCreated, dependencies=[WriteAuth],
              responses={**TOO_LARGE, **UNAUTHORIZED})
-def start_tuning(body: TuningIn, jobs: AbJobsDep) -> AbJobCreated:
+def start_tuning(body: TuningIn, jobs: AbJobsDep, service: ServiceDep) -> AbJobCreated:
     """Replay the most recent stored observations over BR-0 and a small BR-H grid; when
     done, the best setting becomes the service's recommendation (``/v1/status`` and every
     contributions answer), which routers adopt at their next refresh."""
+    names = [body.estimator] if isinstance(body.estimator, str) else body.estimator
+    missing = [name for name in names if name not in service.estimators]
+    if missing:  # a router told to ask for it would get only errors
+        raise RequestValidationError([{
+            "loc": ("body", "estimator"), "type": "value_error",
+            "msg": f"{', '.join(missing)}: not run by this service "
+                   f"(BALANCEROUTE_ESTIMATORS; it runs {', '.join(service.estimators)}), so "
+                   "routers could not ask it for a recommendation's predictions"}])
     try:
         return AbJobCreated(id=jobs.submit(body.model_dump(), None, kind="tuning"))
     except TooManyJobs as exc:

@@ -400,6 +400,24 @@ def test_rest_tuning_publishes_its_recommendation(tmp_path):
         assert client.get("/v1/status").json()["recommendation"]["policy"] == "br0"
 
 
+def test_rest_tuning_refuses_a_learner_the_service_does_not_run(tmp_path):
+    """A recommendation naming an estimator the service does not run would leave routers
+    asking for predictions it cannot give: such a tuning is a 422 at ``body.estimator``."""
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    settings = Settings(database_url=url, estimators="survival,exact_match")
+    with TestClient(create_app(settings)) as client:
+        for names in ("hazard", ["exact_match", "hazard"]):
+            refused = client.post("/v1/tunings", json={"estimator": names})
+            assert refused.status_code == 422, names
+            detail = refused.json()["detail"][0]
+            assert detail["loc"] == ["body", "estimator"]
+            assert detail["msg"].startswith("hazard: not run by this service")
+            assert "it runs survival, exact_match" in detail["msg"]
+        assert client.get("/v1/tunings").json() == []  # nothing queued
+        started = client.post("/v1/tunings", json={"estimator": ["exact_match"]})
+        assert started.status_code == 202
+
+
 def test_rest_tuning_passes_confirm_and_the_grid_to_tune(tmp_path, monkeypatch):
     """``"confirm": true`` in the body reaches :func:`tune` (a spy on the real function);
     absent, the default rule runs; ``"grid": "wide"`` stands for the wide grid's points; a

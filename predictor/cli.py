@@ -131,6 +131,19 @@ def _names(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
+def _estimators(text: str) -> list[str]:
+    """``tune --estimator``: one registered estimator or several, comma-separated."""
+    from .estimators import estimator_names
+
+    names = list(dict.fromkeys(_names(text)))
+    unknown = [n for n in names if n not in estimator_names()]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(unknown) or repr(text)}: not an estimator; known: "
+            f"{', '.join(estimator_names())} (several comma-separated)")
+    return names
+
+
 def _add_stage2_options(ab) -> None:
     """``ab``'s Stage-2 and starvation-guard options (BR-0 and BR-H alike)."""
     ab.add_argument("--stage2-order", default=BalanceRouteParams.stage2_order,
@@ -332,7 +345,7 @@ def _add_tune(sub) -> None:
     tune.add_argument("--requests", type=int, default=None, help="the first N requests")
     tune.add_argument("--load", type=_load, default=1.0,
                       help="arrival rate relative to saturation, or 'backlog' (default 1.0)")
-    tune.add_argument("--estimator", type=_names, default=["exact_match"],
+    tune.add_argument("--estimator", type=_estimators, default=["exact_match"],
                       help="estimator BR-H would use (default exact_match), or several, "
                       "comma-separated (exact_match,hazard): every BR-H setting is replayed "
                       "with each, and the recommendation names the learner of its pick")

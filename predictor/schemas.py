@@ -654,9 +654,10 @@ class TuningIn(ReplayIn):
     workers: list[Workers] = Field(default_factory=lambda: [8], min_length=1, max_length=1)
     requests: Annotated[int, Field(strict=True, ge=1, le=200_000)] = 20_000
     estimator: str | Annotated[list[str], Field(min_length=1, max_length=16)] = Field(
-        "exact_match", description="the estimator BR-H would use, or a list of them: every "
-        "BR-H setting is then replayed with each, and the recommendation names the learner "
-        "of its pick")
+        "exact_match", description="the estimator BR-H would use (left out: exact_match, or "
+        "the service's auto estimator where it does not run exact_match), or a list of them: "
+        "every BR-H setting is then replayed with each, and the recommendation names the "
+        "learner of its pick; a name the service does not run is refused")
     grid: list[GridPoint] | None = Field(
         None, min_length=1, max_length=32, json_schema_extra=_grid_names_schema,
         validate_default=True,
@@ -690,10 +691,15 @@ class TuningIn(ReplayIn):
                              "of points")
         return points_of(GRIDS[value])
 
-    @field_validator("estimator")
+    @field_validator("estimator", mode="before")
     @classmethod
-    def _registered(cls, value: str | list[str]) -> str | list[str]:
-        for name in [value] if isinstance(value, str) else value:
+    def _registered(cls, value: object) -> object:
+        """One clear error at ``body.estimator`` (not one per branch of the union)."""
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, list) or not names or not all(
+                isinstance(n, str) for n in names):
+            raise ValueError("must be an estimator's name or a non-empty list of names")
+        for name in names:
             if name not in estimator_names():
                 raise ValueError(f"unknown estimator {name!r}; known: "
                                  f"{', '.join(estimator_names())}")

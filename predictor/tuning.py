@@ -208,7 +208,10 @@ def _replay(trace: Trace, candidate: Candidate, config: SimConfig, base: Balance
 
 def _choose(ranked: list[dict], min_gain: float) -> Candidate:
     """The candidate of :func:`_chosen_row`'s row, else BR-0."""
-    row = _chosen_row(ranked, min_gain)
+    return _pick_of(_chosen_row(ranked, min_gain))
+
+
+def _pick_of(row: dict | None) -> Candidate:
     return Candidate("br0") if row is None else candidate_of(row)
 
 
@@ -363,7 +366,7 @@ def tune(trace: Trace, config: SimConfig, estimator: str | Sequence[str] = "exac
         rows.append(_combine(per_window))
     ranked = _rank(rows)
     row = _chosen_row(ranked, min_gain)
-    chosen = Candidate("br0") if row is None else candidate_of(row)
+    chosen = _pick_of(row)
     learner = learners[0] if row is None else row["estimator"]
     confirmation: list[dict] = []
     if last is not None and chosen.policy != "br0":

@@ -227,9 +227,12 @@ def test_a_subgrid_pick_of_its_own_is_replayed_on_the_later_half(tmp_path, monke
     forced = Candidate("brh", 200, None, TURNOVER)
     chosen = []
 
+    forced_rows = []
+
     def forcing(rows, min_gain):
         chosen.append(chosen_row(rows, min_gain))
-        return next(r for r in rows if r["setting"] == forced.label)
+        forced_rows.append(next(r for r in rows if r["setting"] == forced.label))
+        return forced_rows[-1]
 
     monkeypatch.setattr(tuned_eval, "chosen_row", forcing)
     out = tmp_path / "rows.jsonl"
@@ -238,7 +241,9 @@ def test_a_subgrid_pick_of_its_own_is_replayed_on_the_later_half(tmp_path, monke
         batch=8, estimator="exact_match", confirm=False, grid="wide", subgrid="turnover",
         min_gain=0.001))
     (line,) = [json.loads(x) for x in out.read_text().splitlines()]
-    assert len(chosen) == 1 and line["subgrid_pick"] == forced.label
+    # named with the short-pool rule it replayed (the base's, where the point left it)
+    assert len(chosen) == 1 and line["subgrid_pick"] == candidate_of(forced_rows[0]).label
+    assert line["subgrid_pick"] == f"{forced.label} short-pool=br0"
     default = BalanceRouteParams()
     assert forced.params(default) not in (
         default, candidate_of(line["recommendation"]).params(default))
@@ -256,29 +261,42 @@ def test_a_subgrid_pick_of_its_own_is_replayed_on_the_later_half(tmp_path, monke
 def test_several_learners_judge_each_learners_own_pick_too(tmp_path, tuned_eval):
     """``--estimator exact_match,hazard``: tuning ranks both learners' rows; each learner's
     own pick (its rows and BR-0's) is replayed on the later half beside the pick over both,
-    and each learner's untuned BR-H too; the table shows them as picks."""
+    and each learner's untuned BR-H too; the table names the rules (``exact_match`` alone is
+    the default's, a pooled run of it on the same draw must agree) and refuses nothing it
+    pooled; ``--confirm`` is refused with several learners."""
     out = tmp_path / "rows.jsonl"
-    tuned_eval.run(argparse.Namespace(
-        json=out, cells=["tpl:backlog"], workers=[4], seeds=1, first_seed=2, requests=400,
-        batch=8, estimator="exact_match,hazard", confirm=False, grid="turnover",
-        subgrid=None, min_gain=0.0))
+    common = dict(cells=["tpl:backlog"], workers=[4], seeds=1, first_seed=2, requests=400,
+                  batch=8, confirm=False, grid="turnover", subgrid=None, min_gain=0.0)
+    tuned_eval.run(argparse.Namespace(json=out, estimator="exact_match, hazard", **common))
     (line,) = [json.loads(x) for x in out.read_text().splitlines()]
     assert set(line["learner_picks"]) == {"exact_match", "hazard"}
     assert {"brh-exactmatch", "brh-hazard", "tuned, turnover grid, min gain 0, hazard only",
-            "tuned, turnover grid, min gain 0, exact_match only"} < set(line["later"])
+            "tuned, turnover grid, min gain 0"} < set(line["later"])
     whole = load_trace("synth:templated:seed=2", requests=800)
     config = SimConfig(workers=4, batch=8, load="backlog", seed=2)
-    for learner in ("exact_match", "hazard"):
+    for learner, name in (("exact_match", "tuned, turnover grid, min gain 0"),
+                          ("hazard", "tuned, turnover grid, min gain 0, hazard only")):
         alone = tune(whole, config, estimator=learner, min_gain=0.0, holdout=0.5)
-        row = chosen_row(alone.rows, 0.0)
-        label = "br0" if row is None else f"{row['setting']} estimator={learner}"
-        assert line["learner_picks"][learner] == label
-        mine = line["later"][f"tuned, turnover grid, min gain 0, {learner} only"]
+        assert line["learner_picks"][learner] == candidate_of(alone.recommendation).label
+        mine = line["later"][name]
         assert mine["throughput_tok_s"] == alone.evaluation[-1]["throughput_tok_s"]
-    table = tuned_eval_table(out)
-    assert "tuned, turnover grid, min gain 0, hazard only" in table
+    # the default's own run of the same draw pools with it: its pick is the same rule's
+    single = tmp_path / "single.jsonl"
+    tuned_eval.run(argparse.Namespace(json=single, estimator="exact_match", **common))
+    (one,) = [json.loads(x) for x in single.read_text().splitlines()]
+    assert one["later"]["tuned"] == line["later"]["tuned, turnover grid, min gain 0"]
+    table = tuned_eval_table(out, single)
+    pooled = [r.split(" | ") for r in table.splitlines() if r.startswith("| tpl")]
+    assert {r[2] for r in pooled} == {
+        "tuned, turnover grid, min gain 0", "tuned, turnover grid, min gain 0, hazard only",
+        "tuned, turnover grid, min gain 0, exact_match+hazard", "brh-exactmatch",
+        "brh-hazard", "brh-oracle"}
+    assert all(r[3] == "1" for r in pooled)  # one draw, counted once
+    with pytest.raises(SystemExit, match="several learners"):
+        tuned_eval.run(argparse.Namespace(json=out, estimator="exact_match,hazard",
+                                          **{**common, "confirm": True}))
 
 
-def tuned_eval_table(path: Path) -> str:
-    return subprocess.run([*TOOL, "table", "--json", str(path)], check=True,
+def tuned_eval_table(*paths: Path) -> str:
+    return subprocess.run([*TOOL, "table", "--json", *map(str, paths)], check=True,
                           capture_output=True, text=True, cwd=ROOT).stdout

@@ -82,6 +82,9 @@ def run(args: argparse.Namespace) -> None:
             args.confirm or not set(GRIDS[args.subgrid]) < set(GRIDS[args.grid])):
         raise SystemExit(f"--subgrid {args.subgrid}: a part of --grid ({args.grid}), judged "
                          "by the default rule (not with --confirm)")
+    if len(_learners(args.estimator)) > 1 and args.confirm:
+        raise SystemExit("--estimator with several learners judges each learner's own pick "
+                         "by the default rule (not with --confirm)")
     done = set()
     if args.json.exists():
         for line in args.json.read_text().splitlines():
@@ -117,7 +120,7 @@ def _judge(args: argparse.Namespace, trace_name: str, load: float | str, workers
     whole = draw(trace_name, seed, 2 * args.requests)
     split = len(whole) // 2
     config = SimConfig(workers=workers, batch=args.batch, load=load, seed=seed)
-    learners = args.estimator.split(",")
+    learners = _learners(args.estimator)
     result = tune(whole, config, estimator=learners, grid=GRIDS[args.grid],
                   min_gain=args.min_gain,
                   holdout=(len(whole) - split) / len(whole), confirm=args.confirm)
@@ -141,7 +144,7 @@ def _judge(args: argparse.Namespace, trace_name: str, load: float | str, workers
             "brh-oracle": replay(later, "brh-oracle", default, config)}
     extra: dict = {}
 
-    def pick_over(name: str, keep) -> str:
+    def pick_over(name: str, keep, named: bool) -> str:
         """Tuning's pick (its ranking and gate on every window) over the rows ``keep``
         keeps, replayed on the later half as ``name`` (each candidate's replays do not depend
         on the others, so it costs one more replay at most); its label."""
@@ -150,17 +153,19 @@ def _judge(args: argparse.Namespace, trace_name: str, load: float | str, workers
             rows[name] = result.evaluation[0]
             return "br0"
         rows[name] = later_of(candidate_of(row).params(default), row["estimator"])
-        return row["setting"]
+        return _label_of(row, named)
 
     if args.subgrid is not None:
         part = {c.params(default) for c in GRIDS[args.subgrid]}
-        extra["subgrid_pick"] = pick_over(_pick_name(args.subgrid, False, args.min_gain),
-                                          lambda r: candidate_of(r).params(default) in part)
+        extra["subgrid_pick"] = pick_over(_pick_name(args.subgrid, False, args.min_gain,
+                                                     learners),
+                                          lambda r: candidate_of(r).params(default) in part,
+                                          len(learners) > 1)
     if len(learners) > 1:
         # the pick of tuning with each learner alone, from the same ranking rows
         extra["learner_picks"] = {
-            learner: pick_over(_pick_name(args.grid, args.confirm, args.min_gain, learner),
-                               lambda r, lr=learner: r["estimator"] in (None, lr))
+            learner: pick_over(_pick_name(args.grid, False, args.min_gain, [learner]),
+                               lambda r, lr=learner: r["estimator"] in (None, lr), False)
             for learner in learners}
     return {"requests": [len(past), len(later)], "recommendation": result.recommendation,
             "confirmation": [{"setting": r["setting"], **_row(r)} for r in result.confirmation],
@@ -179,10 +184,13 @@ def table(args: argparse.Namespace) -> None:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             row = json.loads(line)
             gain = row.get("min_gain", MIN_GAIN)
-            name = _pick_name(row.get("grid", "wide"), row.get("confirm", False), gain)
-            # a draw is its cell, G, seed, halves and learner: runs of other sizes are others
-            key = (row["cell"], row["workers"], row["seed"], tuple(row["requests"]),
-                   row.get("estimator", "exact_match"))
+            learners = _learners(row.get("estimator", "exact_match"))
+            name = _pick_name(row.get("grid", "wide"), row.get("confirm", False), gain,
+                              learners)
+            # a draw is its cell, G, seed and halves: runs of other sizes are others; runs
+            # ranking other learners share its replays of BR-0, the oracle and each learner's
+            # defaults, and a pick of the same rule in two runs must agree (checked below)
+            key = (row["cell"], row["workers"], row["seed"], tuple(row["requests"]))
             merged = draws.setdefault(key, {"later": {}, "picks": {}})
             later = dict(row["later"])
             later[name] = later.pop("tuned")
@@ -191,12 +199,13 @@ def table(args: argparse.Namespace) -> None:
                     raise SystemExit(f"{path}:{number}: {shared} on {key} differs from the "
                                      "same draw's replay in another run")
             merged["later"].update(later)
-            merged["picks"][name] = _label_of(row)
+            merged["picks"][name] = _label_of(row["recommendation"], len(learners) > 1)
             if "subgrid" in row:
-                merged["picks"][_pick_name(row["subgrid"], False, gain)] = row["subgrid_pick"]
+                merged["picks"][_pick_name(row["subgrid"], False, gain, learners)] = \
+                    row["subgrid_pick"]
             for learner, label in row.get("learner_picks", {}).items():
-                merged["picks"][_pick_name(row.get("grid", "wide"), row.get("confirm", False),
-                                           gain, learner)] = label
+                merged["picks"][_pick_name(row.get("grid", "wide"), False, gain,
+                                           [learner])] = label
     cells: dict[tuple[str, int, int], list[dict]] = defaultdict(list)
     for key, merged in sorted(draws.items()):
         cells[(key[0], key[1], key[3][0])].append(merged)  # draws of one size pool
@@ -276,20 +285,29 @@ def _ratio(run: dict, name: str, key: str) -> float:
 
 
 def _pick_name(grid: str, confirm: bool, min_gain: float = MIN_GAIN,
-               learner: str | None = None) -> str:
-    """The table's name for the pick of tuning over ``grid`` by a rule and gate (``learner``:
-    ranking that learner's rows alone, where tuning ranked several)."""
+               learners: list[str] | None = None) -> str:
+    """The table's name for the pick of tuning over ``grid`` by a rule and gate, ranking the
+    rows of ``learners``: the default, ``exact_match`` alone, names none (whether its run
+    ranked it alone or picked it out of several runs' rows: the same rule, the same replays),
+    another alone ``<name> only``, several ``a+b``."""
+    names = learners or ["exact_match"]
     return (f"tuned, {grid} grid" + (", confirmed" if confirm else "")
             + ("" if min_gain == MIN_GAIN else f", min gain {min_gain:g}")
-            + ("" if learner is None else f", {learner} only"))
+            + ("" if names == ["exact_match"] else
+               f", {names[0]} only" if len(names) == 1 else f", {'+'.join(names)}"))
 
 
-def _label_of(row: dict) -> str:
-    """The label of a run's recommendation, its learner named where tuning ranked several."""
-    recommendation = row["recommendation"]
-    label = candidate_of(recommendation).label
-    if "learner_picks" in row and recommendation["policy"] == "brh":
-        label += f" estimator={recommendation['estimator']}"
+def _learners(text: str) -> list[str]:
+    """``--estimator``'s learners: comma-separated, each once, in order."""
+    return list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+
+
+def _label_of(pick: dict, named: bool) -> str:
+    """The label of a pick (a ranking row, or a recommendation: the same keys), its pool rule
+    resolved and, where tuning ranked several learners (``named``), its learner named."""
+    label = candidate_of(pick).label
+    if named and pick["policy"] != "br0":
+        label += f" estimator={pick['estimator']}"
     return label
 
 

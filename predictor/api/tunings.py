@@ -26,7 +26,11 @@ def start_tuning(body: TuningIn, jobs: AbJobsDep, service: ServiceDep) -> AbJobC
     """Replay the most recent stored observations over BR-0 and a small BR-H grid; when
     done, the best setting becomes the service's recommendation (``/v1/status`` and every
     contributions answer), which routers adopt at their next refresh."""
-    names = [body.estimator] if isinstance(body.estimator, str) else body.estimator
+    request = body.model_dump()
+    if "estimator" not in body.model_fields_set and body.estimator not in service.estimators:
+        request["estimator"] = service.auto  # the default left out: the service's own
+    names = [request["estimator"]] if isinstance(request["estimator"], str) \
+        else request["estimator"]
     missing = [name for name in names if name not in service.estimators]
     if missing:  # a router told to ask for it would get only errors
         raise RequestValidationError([{
@@ -35,7 +39,7 @@ def start_tuning(body: TuningIn, jobs: AbJobsDep, service: ServiceDep) -> AbJobC
                    f"(BALANCEROUTE_ESTIMATORS; it runs {', '.join(service.estimators)}), so "
                    "routers could not ask it for a recommendation's predictions"}])
     try:
-        return AbJobCreated(id=jobs.submit(body.model_dump(), None, kind="tuning"))
+        return AbJobCreated(id=jobs.submit(request, None, kind="tuning"))
     except TooManyJobs as exc:
         raise RequestValidationError([{"loc": ("body",), "msg": str(exc),
                                        "type": "too_many_jobs"}]) from None

@@ -236,6 +236,10 @@ def test_tuning_ranks_each_learner_and_names_the_one_it_picks():
         return sorted((r["estimator"] or "", r["horizon"], r["throughput_tok_s"],
                        r["imbalance_maxmin_mean"]) for r in rows)
 
+    def brh_figures(rows):  # by setting, whichever learner replayed it
+        return {candidate_of(r): (r["throughput_tok_s"], r["imbalance_maxmin_mean"])
+                for r in rows if r["policy"] != "br0"}
+
     picks = {}
     for learner in learners:
         alone = tune(trace, config, estimator=learner, grid=grid, min_gain=0.0, holdout=0.25)
@@ -245,8 +249,9 @@ def test_tuning_ranks_each_learner_and_names_the_one_it_picks():
             r["setting"] + ("" if r["policy"] == "br0" else f" estimator={learner}")
             for r in alone.rows}
         assert recommendation_of(choose(mine, 0.0), learner) == alone.recommendation
-        picks[learner] = alone.rows
-    assert figures(picks["hazard"][1:]) != figures(picks["exact_match"][1:])  # they differ
+        picks[learner] = brh_figures(alone.rows)
+    assert picks["hazard"].keys() == picks["exact_match"].keys()
+    assert all(picks["hazard"][c] != picks["exact_match"][c] for c in picks["hazard"])
     row = chosen_row(both.rows, 0.0)
     # here the second learner's row is ranked first, and it is the pick
     assert row is not None and row["policy"] != "br0" and row["estimator"] == "hazard"
@@ -262,6 +267,36 @@ def test_tuning_ranks_each_learner_and_names_the_one_it_picks():
                              "bound_share": br0["bound_share"] * 1.005}, ahead]) is ahead
     with pytest.raises(ParameterError, match="estimator"):
         tune(trace, config, estimator=[], grid=grid)
+    # confirmed on the last window with the pick's own learner (two windows of 500)
+    longer = synthesize("synth:templated:n=1000,seed=2")
+    confirmed = tune(longer, config, estimator=learners, grid=grid, min_gain=0.0,
+                     confirm=True)
+    pick = chosen_row(confirmed.rows, 0.0)
+    assert pick is not None and len(confirmed.confirmation) == 2
+    assert [r["estimator"] for r in confirmed.confirmation] == [None, pick["estimator"]]
+    assert confirmed.confirmation[1]["requests"] == 500
+
+
+def test_tune_command_ranks_several_learners(tmp_path, capsys):
+    """``tune --estimator exact_match,hazard``: the default grid's distinct BR-H settings once
+    per learner (its point that states the base's short-pool rule is the plain point: not
+    replayed again), BR-0 once; rows and printout name the learner; an unknown name is an
+    argument error before any replay."""
+    out = tmp_path / "tune.json"
+    assert main(["tune", "--trace", "synth:templated:n=300,seed=2", "--workers", "2",
+                 "--batch", "8", "--load", "backlog", "--estimator", "exact_match, hazard",
+                 "--quiet", "--json", str(out)]) == 0
+    shown = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    distinct = {c.params(BalanceRouteParams()) for c in DEFAULT_GRID if c.policy == "brh"}
+    assert len(rows) == 1 + 2 * len(distinct) == 9
+    assert sorted(r["estimator"] or "" for r in rows) == [""] + ["exact_match"] * 4 + [
+        "hazard"] * 4
+    assert "estimator exact_match,hazard" in shown
+    assert shown.count("estimator=hazard") == 4 and shown.count("estimator=exact_match") == 4
+    with pytest.raises(SystemExit):
+        main(["tune", "--trace", "synth:templated:n=300,seed=2", "--estimator", "hazard,nope"])
+    assert "nope: not an estimator" in capsys.readouterr().err
 
 
 def test_tune_command_confirm_prints_the_confirmation(tmp_path, capsys, monkeypatch):
@@ -416,6 +451,15 @@ def test_rest_tuning_refuses_a_learner_the_service_does_not_run(tmp_path):
         assert client.get("/v1/tunings").json() == []  # nothing queued
         started = client.post("/v1/tunings", json={"estimator": ["exact_match"]})
         assert started.status_code == 202
+    # the default left out where the service does not run it: the service's auto estimator
+    url = f"sqlite:///{tmp_path / 'survival.db'}"
+    with TestClient(create_app(Settings(database_url=url, estimators="survival"))) as client:
+        started = client.post("/v1/tunings", json={})
+        assert started.status_code == 202
+        job = client.get(f"/v1/tunings/{started.json()['id']}").json()
+        assert job["request"]["estimator"] == "survival"
+        refused = client.post("/v1/tunings", json={"estimator": "exact_match"})
+        assert refused.status_code == 422  # named, not defaulted: refused
 
 
 def test_rest_tuning_passes_confirm_and_the_grid_to_tune(tmp_path, monkeypatch):
@@ -440,10 +484,12 @@ def test_rest_tuning_passes_confirm_and_the_grid_to_tune(tmp_path, monkeypatch):
     small = [{"horizon": 20, "beta": 8, "gamma": 0.9}]
     with TestClient(create_app(Settings(database_url=url))) as client:
         client.post("/v1/observations", json={"observations": observations}).raise_for_status()
-        for bad_names in (["exact_match", "nope"], []):
+        for bad_names, said in ((["exact_match", "nope"], "unknown estimator 'nope'"),
+                                ([], "a non-empty list"), (5, "a non-empty list")):
             bad = client.post("/v1/tunings", json={"estimator": bad_names})
             assert bad.status_code == 422
-            assert bad.json()["detail"][0]["loc"][:2] == ["body", "estimator"]
+            (detail,) = bad.json()["detail"]  # one error, at the field
+            assert detail["loc"] == ["body", "estimator"] and said in detail["msg"]
         several = {"estimator": ["exact_match", "hazard"]}
         for body in ({"confirm": True}, {}, {"grid": "wide"}, several, {"grid": None}):
             started = client.post("/v1/tunings", json={

@@ -48,7 +48,7 @@ from router_client.simulator import (
 from router_client.traces import key_of_text
 
 from .estimators import estimator_names
-from .tuning import MIN_GAIN
+from .tuning import MIN_GAIN, learners_of
 
 # Lengths are bounded so that no input can blow up a learner's arrays or a 32-bit column.
 MAX_TOKENS = 1_048_576
@@ -699,10 +699,7 @@ class TuningIn(ReplayIn):
         if not isinstance(names, list) or not names or not all(
                 isinstance(n, str) for n in names):
             raise ValueError("must be an estimator's name or a non-empty list of names")
-        for name in names:
-            if name not in estimator_names():
-                raise ValueError(f"unknown estimator {name!r}; known: "
-                                 f"{', '.join(estimator_names())}")
+        learners_of(names)  # an unknown name: UnknownEstimatorError, a ValueError
         return value
 
 

@@ -53,6 +53,7 @@ from predictor.tuning import (  # noqa: E402
     MIN_GAIN,
     candidate_of,
     chosen_row,
+    learners_of,
     replay,
     tune,
 )
@@ -298,8 +299,8 @@ def _pick_name(grid: str, confirm: bool, min_gain: float = MIN_GAIN,
 
 
 def _learners(text: str) -> list[str]:
-    """``--estimator``'s learners: comma-separated, each once, in order."""
-    return list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    """``--estimator``'s learners: comma-separated, each once, in order (tuning's check)."""
+    return list(learners_of([n.strip() for n in text.split(",") if n.strip()]))
 
 
 def _label_of(pick: dict, named: bool) -> str:

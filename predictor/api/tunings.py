@@ -7,6 +7,7 @@ from fastapi.exceptions import RequestValidationError
 
 from ..abjobs import TooManyJobs
 from ..schemas import AbJobCreated, AbJobOut, TuningIn
+from ..tuning import learners_of
 from .deps import (
     NOT_FOUND,
     TOO_LARGE,
@@ -29,9 +30,8 @@ def start_tuning(body: TuningIn, jobs: AbJobsDep, service: ServiceDep) -> AbJobC
     request = body.model_dump()
     if "estimator" not in body.model_fields_set and body.estimator not in service.estimators:
         request["estimator"] = service.auto  # the default left out: the service's own
-    names = [request["estimator"]] if isinstance(request["estimator"], str) \
-        else request["estimator"]
-    missing = [name for name in names if name not in service.estimators]
+    missing = [name for name in learners_of(request["estimator"])
+               if name not in service.estimators]
     if missing:  # a router told to ask for it would get only errors
         raise RequestValidationError([{
             "loc": ("body", "estimator"), "type": "value_error",
